@@ -1,0 +1,512 @@
+"""One AMQP channel: maps its methods onto the core and receives deliveries.
+
+It implements core.queue.ConsumerSink for its consumers: prefetch credit
+(per consumer, and per channel for ``global`` qos, as RabbitMQ reads it),
+delivery tags, the unacked set, and publisher confirms.
+"""
+
+from __future__ import annotations
+
+import base64
+import os
+from collections import OrderedDict
+from typing import TYPE_CHECKING, Any
+
+from pamqp import commands
+from pamqp.base import Frame as Method
+
+from amqp_frontend import codec
+from core import properties
+from core.errors import (
+    AccessRefused,
+    BrokerError,
+    CommandInvalid,
+    NotAllowed,
+    NotFound,
+    NotImplementedFeature,
+    PreconditionFailed,
+    UnexpectedFrame,
+)
+from core.exchange import Exchange
+from core.message import Message, QueuedMessage
+from core.queue import Consumer, Queue, QueueChannel
+
+if TYPE_CHECKING:
+    from amqp_frontend.connection import Connection
+
+# delivery tag -> (message, consumer or None for basic.get, queue channel)
+Unacked = tuple[QueuedMessage, Consumer | None, QueueChannel]
+
+NO_ROUTE = 312
+
+
+class Channel:
+    def __init__(self, conn: Connection, number: int) -> None:
+        self.conn = conn
+        self.number = number
+        self.vhost = conn.vhost
+        assert self.vhost is not None
+        self.closing = False
+        # Content being assembled: (exchange, routing key, mandatory), props, body parts.
+        self.publishing: tuple[str, str, bool] | None = None
+        self.awaiting_header = False
+        self._props = b""
+        self._summary: properties.PropertySummary | None = None
+        self._body_size = 0
+        self._body_parts: list[bytes] = []
+        self._body_received = 0
+        # Publisher confirms.
+        self.confirm = False
+        self.publish_seq = 0
+        self.confirmed_upto = 0
+        # Deliveries.
+        self.next_tag = 1
+        self.unacked: OrderedDict[int, Unacked] = OrderedDict()
+        self.consumers: dict[str, Consumer] = {}
+        self.prefetch_per_consumer = 0
+        self.prefetch_global = 0
+        self.last_queue: str | None = None
+        self._consumer_tag_raw: dict[str, bytes] = {}
+
+    # ------------------------------------------------------------------ sink
+    def has_credit(self, consumer: Consumer) -> bool:
+        if self.conn.write_blocked or self.closing:
+            return False
+        if consumer.no_ack:
+            return True
+        if consumer.prefetch and consumer.unacked >= consumer.prefetch:
+            return False
+        if self.prefetch_global and len(self.unacked) >= self.prefetch_global:
+            return False
+        return True
+
+    def deliver(self, consumer: Consumer, qm: QueuedMessage) -> None:
+        tag = self.next_tag
+        self.next_tag = tag + 1
+        if not consumer.no_ack:
+            self.unacked[tag] = (qm, consumer, consumer.channel)
+        m = qm.message
+        conn = self.conn
+        conn.write(
+            codec.deliver_frame(
+                self.number, self._consumer_tag_raw[consumer.tag], tag, qm.redelivered, m.exchange, m.routing_key
+            )
+        )
+        conn.write_content(self.number, m.props, m.body)
+
+    def consumer_cancelled(self, consumer: Consumer) -> None:
+        if self.consumers.pop(consumer.tag, None) is None:
+            return
+        self._consumer_tag_raw.pop(consumer.tag, None)
+        if self.conn.client_capability("consumer_cancel_notify") and not self.closing:
+            self.conn.send_method(self.number, commands.Basic.Cancel(consumer_tag=consumer.tag, nowait=True))
+
+    # --------------------------------------------------------------- publish
+    def begin_publish(self, exchange: str, routing_key: str, mandatory: bool, immediate: bool) -> None:
+        if immediate:
+            raise NotImplementedFeature("immediate=true")
+        self.publishing = (exchange, routing_key, mandatory)
+        self.awaiting_header = True
+
+    def content_header(self, payload: bytes) -> None:
+        if len(payload) < 14:
+            raise UnexpectedFrame("content header frame too short")
+        class_id = (payload[0] << 8) | payload[1]
+        if class_id != 60:
+            raise UnexpectedFrame(f"content header for class {class_id} where class 60 was expected")
+        body_size = int.from_bytes(payload[4:12], "big")
+        if body_size > self.conn.settings.max_message_size:
+            self.publishing = None
+            self.awaiting_header = False
+            raise PreconditionFailed(
+                f"message size {body_size} is larger than configured max size "
+                f"{self.conn.settings.max_message_size}"
+            )
+        props = bytes(payload[12:])
+        try:
+            self._summary = properties.scan(props)
+        except properties.PropertiesError as exc:
+            raise UnexpectedFrame(str(exc)) from exc
+        self._props = props
+        self._body_size = body_size
+        self.awaiting_header = False
+        if body_size == 0:
+            self._finish_publish(b"")
+        else:
+            self._body_parts = []
+            self._body_received = 0
+
+    def content_body(self, payload: bytes) -> None:
+        n = self._body_received + len(payload)
+        if n > self._body_size:
+            raise UnexpectedFrame(
+                f"content body of {n} bytes exceeds the {self._body_size} bytes declared in its header"
+            )
+        if n == self._body_size:
+            if self._body_parts:
+                self._body_parts.append(payload)
+                body = b"".join(self._body_parts)
+                self._body_parts = []
+            else:
+                body = payload
+            self._finish_publish(body)
+        else:
+            self._body_parts.append(payload)
+            self._body_received = n
+
+    def _finish_publish(self, body: bytes) -> None:
+        assert self.publishing is not None and self._summary is not None
+        exchange_name, routing_key, mandatory = self.publishing
+        self.publishing = None
+        summary = self._summary
+        conn = self.conn
+        if summary.user_id is not None and summary.user_id != conn.username:
+            raise PreconditionFailed(
+                f"user_id property set to '{summary.user_id}' but authenticated user was '{conn.username}'"
+            )
+        vhost = self.vhost
+        assert vhost is not None
+        exchange: Exchange | None
+        if exchange_name == "" or exchange_name == "amq.default":
+            exchange = None
+        else:
+            exchange = vhost.exchanges.get(exchange_name)
+            if exchange is None:
+                raise NotFound(f"no exchange '{exchange_name}' in vhost '{vhost.name}'")
+            if exchange.internal:
+                raise AccessRefused(
+                    f"cannot publish to internal exchange '{exchange_name}' in vhost '{vhost.name}'"
+                )
+        message = Message(exchange_name, routing_key, self._props, body, summary, conn.node_id)
+        queues = vhost.route(exchange, message)
+        if self.confirm:
+            self.publish_seq += 1
+        if queues:
+            for q in queues:
+                q.enqueue(message)
+        elif mandatory:
+            conn.send_method(
+                self.number,
+                commands.Basic.Return(
+                    reply_code=NO_ROUTE, reply_text="NO_ROUTE", exchange=exchange_name, routing_key=routing_key
+                ),
+            )
+            conn.write_content(self.number, message.props, body)
+        if self.confirm:
+            conn.confirm_pending(self)
+
+    def flush_confirms(self) -> None:
+        """Send one (multiple) ack for every publish confirmed since the last one."""
+        upto = self.publish_seq
+        if upto > self.confirmed_upto and not self.closing:
+            multiple = upto - self.confirmed_upto > 1
+            self.confirmed_upto = upto
+            self.conn.write(_basic_ack_frame(self.number, upto, multiple))
+
+    # ----------------------------------------------------------------- acks
+    def _take(self, tag: int, multiple: bool) -> list[Unacked]:
+        unacked = self.unacked
+        if multiple and tag == 0:
+            taken = list(unacked.values())
+            unacked.clear()
+            return taken
+        if tag not in unacked:
+            raise PreconditionFailed(f"unknown delivery tag {tag}")
+        if not multiple:
+            return [unacked.pop(tag)]
+        taken = []
+        while unacked:
+            first = next(iter(unacked))
+            if first > tag:
+                break
+            taken.append(unacked.popitem(last=False)[1])
+        return taken
+
+    def ack(self, tag: int, multiple: bool) -> None:
+        if not multiple:
+            entry = self.unacked.pop(tag, None)
+            if entry is None:
+                raise PreconditionFailed(f"unknown delivery tag {tag}")
+            qm, consumer, qch = entry
+            qch.settle(qm, consumer)
+            qch.dispatch()
+            return
+        touched: dict[int, QueueChannel] = {}
+        for qm, consumer, qch in self._take(tag, multiple):
+            qch.settle(qm, consumer)
+            touched[id(qch)] = qch
+        self._dispatch(touched.values())
+
+    def reject(self, tag: int, multiple: bool, requeue: bool) -> None:
+        entries = self._take(tag, multiple)
+        self._return_entries(entries, requeue)
+
+    def _return_entries(self, entries: list[Unacked], requeue: bool) -> None:
+        groups: dict[int, tuple[QueueChannel, list[tuple[QueuedMessage, Consumer | None]]]] = {}
+        for qm, consumer, qch in entries:
+            groups.setdefault(id(qch), (qch, []))[1].append((qm, consumer))
+        for qch, items in groups.values():
+            if requeue:
+                qch.requeue(items)
+            else:
+                for qm, consumer in items:
+                    qch.settle(qm, consumer)
+                qch.dispatch()
+
+    @staticmethod
+    def _dispatch(qchannels: Any) -> None:
+        for qch in qchannels:
+            qch.dispatch()
+
+    def resume(self) -> None:
+        """Writes drained: let this channel's consumers take messages again."""
+        seen: dict[int, QueueChannel] = {}
+        for c in self.consumers.values():
+            seen[id(c.channel)] = c.channel
+        self._dispatch(seen.values())
+
+    # ------------------------------------------------------------- lifecycle
+    def release(self) -> None:
+        """Channel is closing: cancel its consumers and requeue what it holds unacked."""
+        self.closing = True
+        self.publishing = None
+        for consumer in list(self.consumers.values()):
+            consumer.channel.remove_consumer(consumer)
+        self.consumers.clear()
+        entries = list(self.unacked.values())
+        self.unacked.clear()
+        if entries:
+            self._return_entries(entries, requeue=True)
+
+    # --------------------------------------------------------------- methods
+    def handle(self, method: Method) -> None:
+        handler = _HANDLERS.get(type(method))
+        if handler is None:
+            raise CommandInvalid(f"method {method.name} is not allowed from a client on a channel")
+        handler(self, method)
+
+    def _queue_name(self, name: str) -> str:
+        if name:
+            return name
+        if self.last_queue is None:
+            raise NotFound("no previously declared queue")
+        return self.last_queue
+
+    def _reply(self, method: Method) -> None:
+        self.conn.send_method(self.number, method)
+
+    # channel
+    def _channel_flow(self, m: commands.Channel.Flow) -> None:
+        if not m.active:
+            raise NotImplementedFeature("active=false")
+        self._reply(commands.Channel.FlowOk(active=True))
+
+    # exchange
+    def _exchange_declare(self, m: commands.Exchange.Declare) -> None:
+        assert self.vhost is not None
+        self.vhost.declare_exchange(
+            m.exchange,
+            m.exchange_type,
+            passive=m.passive,
+            durable=m.durable,
+            auto_delete=m.auto_delete,
+            internal=m.internal,
+            arguments=m.arguments,
+        )
+        if not m.nowait:
+            self._reply(commands.Exchange.DeclareOk())
+
+    def _exchange_delete(self, m: commands.Exchange.Delete) -> None:
+        assert self.vhost is not None
+        self.vhost.delete_exchange(m.exchange, if_unused=m.if_unused)
+        if not m.nowait:
+            self._reply(commands.Exchange.DeleteOk())
+
+    def _exchange_bind(self, m: commands.Exchange.Bind) -> None:
+        assert self.vhost is not None
+        dest = self.vhost.get_exchange(m.destination)
+        self.vhost.bind(m.source, dest, m.routing_key, m.arguments)
+        if not m.nowait:
+            self._reply(commands.Exchange.BindOk())
+
+    def _exchange_unbind(self, m: commands.Exchange.Unbind) -> None:
+        assert self.vhost is not None
+        dest = self.vhost.get_exchange(m.destination)
+        self.vhost.unbind(m.source, dest, m.routing_key, m.arguments)
+        if not m.nowait:
+            self._reply(commands.Exchange.UnbindOk())
+
+    # queue
+    def _queue_declare(self, m: commands.Queue.Declare) -> None:
+        assert self.vhost is not None
+        name = m.queue
+        if m.passive and not name:
+            name = self._queue_name("")
+        q = self.vhost.declare_queue(
+            name,
+            self.conn,
+            passive=m.passive,
+            durable=m.durable,
+            exclusive=m.exclusive,
+            auto_delete=m.auto_delete,
+            arguments=m.arguments,
+        )
+        self.last_queue = q.name
+        if not m.nowait:
+            self._reply(
+                commands.Queue.DeclareOk(queue=q.name, message_count=q.message_count, consumer_count=q.consumer_count)
+            )
+
+    def _get_queue(self, name: str) -> Queue:
+        assert self.vhost is not None
+        return self.vhost.get_queue(self._queue_name(name), self.conn)
+
+    def _queue_bind(self, m: commands.Queue.Bind) -> None:
+        assert self.vhost is not None
+        routing_key = m.routing_key
+        if not m.queue and not routing_key:
+            routing_key = self._queue_name("")
+        q = self._get_queue(m.queue)
+        self.vhost.bind(m.exchange, q, routing_key, m.arguments)
+        if not m.nowait:
+            self._reply(commands.Queue.BindOk())
+
+    def _queue_unbind(self, m: commands.Queue.Unbind) -> None:
+        assert self.vhost is not None
+        q = self._get_queue(m.queue)
+        self.vhost.unbind(m.exchange, q, m.routing_key, m.arguments)
+        self._reply(commands.Queue.UnbindOk())
+
+    def _queue_purge(self, m: commands.Queue.Purge) -> None:
+        count = self._get_queue(m.queue).purge()
+        if not m.nowait:
+            self._reply(commands.Queue.PurgeOk(message_count=count))
+
+    def _queue_delete(self, m: commands.Queue.Delete) -> None:
+        assert self.vhost is not None
+        count = self.vhost.delete_queue(
+            self._queue_name(m.queue), self.conn, if_unused=m.if_unused, if_empty=m.if_empty
+        )
+        if not m.nowait:
+            self._reply(commands.Queue.DeleteOk(message_count=count))
+
+    # basic
+    def _basic_qos(self, m: commands.Basic.Qos) -> None:
+        if m.prefetch_size:
+            raise NotImplementedFeature(f"prefetch_size!=0 ({m.prefetch_size})")
+        if m.global_:
+            self.prefetch_global = m.prefetch_count
+        else:
+            self.prefetch_per_consumer = m.prefetch_count
+        self._reply(commands.Basic.QosOk())
+        self.resume()
+
+    def _basic_consume(self, m: commands.Basic.Consume) -> None:
+        q = self._get_queue(m.queue)
+        tag = m.consumer_tag or "amq.ctag-" + base64.urlsafe_b64encode(os.urandom(16)).decode().rstrip("=")
+        if tag in self.consumers:
+            raise NotAllowed(f"attempt to reuse consumer tag '{tag}'")
+        consumer = Consumer(
+            tag,
+            q.default,
+            self,
+            no_ack=m.no_ack,
+            exclusive=m.exclusive,
+            arguments=m.arguments,
+            prefetch=self.prefetch_per_consumer,
+        )
+        q.default.add_consumer(consumer, dispatch=False)
+        self.consumers[tag] = consumer
+        self._consumer_tag_raw[tag] = codec.shortstr(tag)
+        if not m.nowait:
+            self._reply(commands.Basic.ConsumeOk(consumer_tag=tag))
+        q.default.dispatch()
+
+    def _basic_cancel(self, m: commands.Basic.Cancel) -> None:
+        consumer = self.consumers.pop(m.consumer_tag, None)
+        if consumer is not None:
+            self._consumer_tag_raw.pop(m.consumer_tag, None)
+            consumer.channel.remove_consumer(consumer)
+        if not m.nowait:
+            self._reply(commands.Basic.CancelOk(consumer_tag=m.consumer_tag))
+
+    def _basic_get(self, m: commands.Basic.Get) -> None:
+        q = self._get_queue(m.queue)
+        qch = q.default
+        qm = qch.get(m.no_ack)
+        if qm is None:
+            self._reply(commands.Basic.GetEmpty())
+            return
+        tag = self.next_tag
+        self.next_tag = tag + 1
+        if not m.no_ack:
+            self.unacked[tag] = (qm, None, qch)
+        msg = qm.message
+        self.conn.write(
+            codec.get_ok_frame(self.number, tag, qm.redelivered, msg.exchange, msg.routing_key, len(qch.ready))
+        )
+        self.conn.write_content(self.number, msg.props, msg.body)
+
+    def _basic_ack(self, m: commands.Basic.Ack) -> None:
+        self.ack(m.delivery_tag, m.multiple)
+
+    def _basic_reject(self, m: commands.Basic.Reject) -> None:
+        self.reject(m.delivery_tag, False, m.requeue)
+
+    def _basic_nack(self, m: commands.Basic.Nack) -> None:
+        self.reject(m.delivery_tag, m.multiple, m.requeue)
+
+    def _basic_recover(self, m: commands.Basic.Recover) -> None:
+        if not m.requeue:
+            raise NotImplementedFeature("requeue=false")
+        entries = list(self.unacked.values())
+        self.unacked.clear()
+        self._return_entries(entries, requeue=True)
+        self._reply(commands.Basic.RecoverOk())
+
+    def _basic_recover_async(self, m: commands.Basic.RecoverAsync) -> None:
+        if not m.requeue:
+            raise NotImplementedFeature("requeue=false")
+        entries = list(self.unacked.values())
+        self.unacked.clear()
+        self._return_entries(entries, requeue=True)
+
+    # confirm / tx
+    def _confirm_select(self, m: commands.Confirm.Select) -> None:
+        self.confirm = True
+        if not m.nowait:
+            self._reply(commands.Confirm.SelectOk())
+
+    def _tx_select(self, m: commands.Tx.Select) -> None:
+        raise NotImplementedFeature("transactions (tx.select) are not supported by this node yet")
+
+
+def _basic_ack_frame(channel: int, tag: int, multiple: bool) -> bytes:
+    return codec.encode_method(channel, commands.Basic.Ack(delivery_tag=tag, multiple=multiple))
+
+
+_HANDLERS: dict[type, Any] = {
+    commands.Channel.Flow: Channel._channel_flow,
+    commands.Exchange.Declare: Channel._exchange_declare,
+    commands.Exchange.Delete: Channel._exchange_delete,
+    commands.Exchange.Bind: Channel._exchange_bind,
+    commands.Exchange.Unbind: Channel._exchange_unbind,
+    commands.Queue.Declare: Channel._queue_declare,
+    commands.Queue.Bind: Channel._queue_bind,
+    commands.Queue.Unbind: Channel._queue_unbind,
+    commands.Queue.Purge: Channel._queue_purge,
+    commands.Queue.Delete: Channel._queue_delete,
+    commands.Basic.Qos: Channel._basic_qos,
+    commands.Basic.Consume: Channel._basic_consume,
+    commands.Basic.Cancel: Channel._basic_cancel,
+    commands.Basic.Get: Channel._basic_get,
+    commands.Basic.Ack: Channel._basic_ack,
+    commands.Basic.Reject: Channel._basic_reject,
+    commands.Basic.Nack: Channel._basic_nack,
+    commands.Basic.Recover: Channel._basic_recover,
+    commands.Basic.RecoverAsync: Channel._basic_recover_async,
+    commands.Confirm.Select: Channel._confirm_select,
+    commands.Tx.Select: Channel._tx_select,
+}
+
+__all__ = ["Channel", "BrokerError"]

@@ -1,0 +1,592 @@
+"""The AMQP 0-9-1 connection as a sans-IO state machine.
+
+``receive_data(bytes)`` consumes what the socket read; ``data_to_send()``
+returns what to write; ``tick(now)`` drives heartbeats and time-outs;
+``should_close`` says when the transport must be closed after the last
+write. Nothing here touches a socket or a clock of its own, so it is tested
+by feeding bytes (tests/test_connection_sm.py).
+"""
+
+from __future__ import annotations
+
+import enum
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from pamqp import commands
+from pamqp.base import Frame as Method
+
+from amqp_frontend import codec
+from amqp_frontend.channel import Channel
+from core import fieldtable
+from core.broker import Broker, User
+from core.errors import (
+    AccessRefused,
+    BrokerError,
+    ChannelError,
+    CommandInvalid,
+    FrameError,
+    InternalError,
+    NotAllowed,
+    SyntaxError_,
+    UnexpectedFrame,
+)
+from core.vhost import VirtualHost
+
+log = logging.getLogger("leveret.amqp")
+
+# Reply codes that close only the channel; every other error closes the connection.
+CHANNEL_ERROR_CODES = frozenset({311, 312, 313, 403, 404, 405, 406})
+FRAME_MIN_SIZE = 4096
+
+
+@dataclass
+class ServerSettings:
+    channel_max: int = 2047
+    frame_max: int = 131072
+    heartbeat: int = 60
+    max_message_size: int = 128 * 1024 * 1024
+    handshake_timeout: float = 10.0
+    close_timeout: float = 3.0
+    # Stop handing messages to this connection's consumers past this many
+    # bytes waiting to be written; resumed once the socket drains.
+    write_high_water: int = 4 * 1024 * 1024
+    product: str = "Leveret"
+    version: str = "0.1.0"
+    server_properties_extra: dict[str, Any] = field(default_factory=dict)
+
+
+class State(enum.Enum):
+    AWAIT_HEADER = "await-header"
+    AWAIT_START_OK = "await-start-ok"
+    AWAIT_TUNE_OK = "await-tune-ok"
+    AWAIT_OPEN = "await-open"
+    OPEN = "open"
+    CLOSING = "closing"  # we sent connection.close, waiting for close-ok
+    CLOSED = "closed"
+
+
+CAPABILITIES = {
+    "publisher_confirms": True,
+    "exchange_exchange_bindings": True,
+    "basic.nack": True,
+    "consumer_cancel_notify": True,
+    "connection.blocked": False,
+    "consumer_priorities": False,
+    "authentication_failure_close": True,
+    "per_consumer_qos": True,
+    "direct_reply_to": False,
+}
+
+
+class Connection:
+    def __init__(
+        self,
+        broker: Broker,
+        settings: ServerSettings | None = None,
+        peer: tuple[str, int] | None = None,
+        now: float | None = None,
+    ) -> None:
+        self.broker = broker
+        self.settings = settings or ServerSettings()
+        self.peer = peer
+        self.node_id = broker.node_id
+        self.state = State.AWAIT_HEADER
+        self.should_close = False
+        self._buf = bytearray()
+        self._out: list[bytes] = []
+        self.out_bytes = 0
+        self.transport_paused = False
+        self.channels: dict[int, Channel] = {}
+        self.user: User | None = None
+        self.username = ""
+        self.vhost: VirtualHost | None = None
+        self.client_properties: dict[str, Any] = {}
+        self.channel_max = self.settings.channel_max
+        self.frame_max = self.settings.frame_max
+        self.heartbeat = 0
+        t = time.monotonic() if now is None else now
+        self.opened_at = t
+        self.last_received = t
+        self.last_sent = t
+        self.closing_since = 0.0
+        self._confirm_dirty: dict[int, Channel] = {}
+        self._in_receive = False
+        # Set by the I/O layer: called when output appears outside receive_data
+        # (a delivery caused by another connection's publish).
+        self.on_output: Callable[[], None] = _noop
+        self._output_signalled = False
+        self.close_reason = ""
+
+    # ------------------------------------------------------------ output
+    @property
+    def write_blocked(self) -> bool:
+        return self.transport_paused or self.out_bytes > self.settings.write_high_water
+
+    def write(self, data: bytes) -> None:
+        self._out.append(data)
+        self.out_bytes += len(data)
+        if not self._output_signalled:
+            self._output_signalled = True
+            if not self._in_receive:
+                self.on_output()
+
+    def write_content(self, channel: int, props: bytes, body: bytes) -> None:
+        for f in codec.content_frames(channel, props, body, self.frame_max):
+            self.write(f)
+
+    def send_method(self, channel: int, method: Method) -> None:
+        self.write(codec.encode_method(channel, method))
+
+    def data_to_send(self) -> bytes:
+        self._output_signalled = False
+        if not self._out:
+            return b""
+        data = b"".join(self._out) if len(self._out) > 1 else self._out[0]
+        self._out = []
+        self.out_bytes = 0
+        self.last_sent = time.monotonic()
+        return data
+
+    def set_transport_paused(self, paused: bool) -> None:
+        """The I/O layer's write buffer crossed its high (True) or low (False) mark."""
+        self.transport_paused = paused
+        if not paused:
+            self.resume_deliveries()
+
+    def resume_deliveries(self) -> None:
+        if self.write_blocked:
+            return
+        for ch in list(self.channels.values()):
+            if not ch.closing:
+                ch.resume()
+
+    def confirm_pending(self, channel: Channel) -> None:
+        self._confirm_dirty[channel.number] = channel
+        if not self._in_receive and not self._output_signalled:
+            self._output_signalled = True
+            self.on_output()
+
+    def flush_confirms(self) -> None:
+        if self._confirm_dirty:
+            dirty = self._confirm_dirty
+            self._confirm_dirty = {}
+            for ch in dirty.values():
+                ch.flush_confirms()
+
+    def client_capability(self, name: str) -> bool:
+        caps = self.client_properties.get("capabilities")
+        return isinstance(caps, dict) and bool(caps.get(name))
+
+    # ------------------------------------------------------------- input
+    def receive_data(self, data: bytes, now: float | None = None) -> None:
+        if self.state is State.CLOSED or self.should_close:
+            return
+        self.last_received = time.monotonic() if now is None else now
+        self._in_receive = True
+        try:
+            self._buf += data
+            self._process()
+        except BrokerError as exc:
+            self.close_with_error(exc)
+        except Exception:
+            # A bug of ours must cost this connection only, never the node.
+            log.exception("internal error handling client data", extra={"peer": self._peer_text()})
+            self.close_with_error(InternalError("internal error; see the broker log"))
+        finally:
+            self._in_receive = False
+            self.flush_confirms()
+
+    def _process(self) -> None:
+        buf = self._buf
+        if self.state is State.AWAIT_HEADER:
+            if len(buf) < 8:
+                if buf and not codec.PROTOCOL_HEADER.startswith(bytes(buf[:8])):
+                    self._bad_header()
+                return
+            if bytes(buf[:8]) != codec.PROTOCOL_HEADER:
+                self._bad_header()
+                return
+            del buf[:8]
+            self._send_start()
+        pos = 0
+        n = len(buf)
+        unpack = codec.frame_head.unpack_from
+        frame_max = self.frame_max
+        try:
+            while n - pos >= 8 and not self.should_close:
+                ftype, channel, size = unpack(buf, pos)
+                if size + 8 > frame_max:
+                    raise FrameError(f"frame size {size + 8} exceeds negotiated frame_max {frame_max}")
+                end = pos + 7 + size
+                if end >= n:
+                    break
+                if buf[end] != codec.FRAME_END:
+                    raise FrameError(f"invalid frame end marker 0x{buf[end]:02x}")
+                payload = bytes(buf[pos + 7 : end])
+                pos = end + 1
+                self._frame(ftype, channel, payload)
+                frame_max = self.frame_max
+        finally:
+            del buf[:pos]
+
+    def _bad_header(self) -> None:
+        # The spec: answer a header we do not speak with the one we do, then close.
+        self.write(codec.PROTOCOL_HEADER)
+        self.should_close = True
+        self.state = State.CLOSED
+        self.close_reason = "bad protocol header"
+
+    # ------------------------------------------------------------ frames
+    def _frame(self, ftype: int, number: int, payload: bytes) -> None:
+        if self.state is State.CLOSING:
+            if ftype == codec.FRAME_METHOD and number == 0 and payload[:4] in (b"\x00\x0a\x00\x33", b"\x00\x0a\x00\x32"):
+                if payload[:4] == b"\x00\x0a\x00\x32":  # close crossing ours: answer it
+                    self.send_method(0, commands.Connection.CloseOk())
+                self._closed("closed by server")
+            return
+        if ftype == codec.FRAME_METHOD:
+            if number == 0:
+                self._connection_method(payload)
+                return
+            if self.state is not State.OPEN:
+                raise ChannelError(f"channel {number} used before the connection was opened")
+            ch = self.channels.get(number)
+            if payload[:4] == codec.BASIC_PUBLISH_ID:
+                # Hot path: publish without pamqp.
+                if ch is None:
+                    raise ChannelError(f"expected 'channel.open' on channel {number}")
+                if ch.closing:
+                    return
+                if ch.publishing is not None:
+                    raise UnexpectedFrame(
+                        f"expected content header for class 60, got a method frame on channel {number}"
+                    )
+                try:
+                    exchange, rk, mandatory, immediate = codec.decode_publish(payload)
+                except (IndexError, UnicodeDecodeError) as exc:
+                    raise SyntaxError_(f"basic.publish does not decode: {exc}") from exc
+                self._guard(ch, 60, 40, ch.begin_publish, exchange, rk, mandatory, immediate)
+                return
+            if payload[:4] == codec.BASIC_ACK_ID and ch is not None and not ch.closing and ch.publishing is None:
+                try:
+                    tag, multiple = codec.decode_ack(payload)
+                except Exception as exc:  # struct.error: truncated arguments
+                    raise SyntaxError_(f"basic.ack does not decode: {exc}") from exc
+                self._guard(ch, 60, 80, ch.ack, tag, multiple)
+                return
+            self._channel_method(number, ch, payload)
+        elif ftype == codec.FRAME_HEADER:
+            ch = self._content_channel(number)
+            if ch is None:
+                return
+            if not ch.awaiting_header:
+                raise UnexpectedFrame(f"content header on channel {number} where a method frame was expected")
+            self._guard(ch, 60, 40, ch.content_header, payload)
+        elif ftype == codec.FRAME_BODY:
+            ch = self._content_channel(number)
+            if ch is None:
+                return
+            if ch.publishing is None or ch.awaiting_header:
+                raise UnexpectedFrame(f"content body on channel {number} where it was not expected")
+            self._guard(ch, 60, 40, ch.content_body, payload)
+        elif ftype == codec.FRAME_HEARTBEAT:
+            if number != 0:
+                raise FrameError(f"heartbeat frame on channel {number}; heartbeats belong on channel 0")
+        else:
+            raise FrameError(f"unknown frame type {ftype}")
+
+    def _content_channel(self, number: int) -> Channel | None:
+        if number == 0 or self.state is not State.OPEN:
+            raise UnexpectedFrame(f"content frame on channel {number} outside an open channel")
+        ch = self.channels.get(number)
+        if ch is None:
+            raise ChannelError(f"expected 'channel.open' on channel {number}")
+        if ch.closing:
+            return None
+        return ch
+
+    def _guard(self, ch: Channel, class_id: int, method_id: int, fn: Callable[..., None], *args: Any) -> None:
+        """Run a channel operation; a channel-level refusal closes only that channel."""
+        try:
+            fn(*args)
+        except BrokerError as exc:
+            if exc.code in CHANNEL_ERROR_CODES:
+                self._close_channel(ch, exc, class_id, method_id)
+            else:
+                exc.class_id = class_id  # type: ignore[attr-defined]
+                exc.method_id = method_id  # type: ignore[attr-defined]
+                raise
+
+    def _decode(self, payload: bytes) -> Method:
+        try:
+            return codec.decode_method(payload)
+        except codec.DecodeError as exc:
+            text = str(exc)
+            if text.startswith("unknown method"):
+                raise CommandInvalid(text) from exc
+            raise SyntaxError_(text) from exc
+
+    def _channel_method(self, number: int, ch: Channel | None, payload: bytes) -> None:
+        method = self._decode(payload)
+        class_id, method_id = method.index >> 16, method.index & 0xFFFF
+        if isinstance(method, commands.Channel.Open):
+            if ch is not None:
+                raise ChannelError(f"second 'channel.open' seen on channel {number}")
+            if number > self.channel_max:
+                raise NotAllowed(
+                    f"channel number {number} exceeds the negotiated channel_max ({self.channel_max})"
+                )
+            self.channels[number] = Channel(self, number)
+            self.send_method(number, commands.Channel.OpenOk())
+            return
+        if ch is None:
+            raise ChannelError(f"expected 'channel.open' on channel {number}")
+        if isinstance(method, commands.Channel.CloseOk):
+            if ch.closing:
+                del self.channels[number]
+            return
+        if isinstance(method, commands.Channel.Close):
+            ch.release()
+            del self.channels[number]
+            self.send_method(number, commands.Channel.CloseOk())
+            return
+        if ch.closing:
+            return  # everything but close/close-ok is dropped after we closed it
+        if ch.publishing is not None:
+            raise UnexpectedFrame(
+                f"expected content header for class 60, got {method.name} on channel {number}"
+            )
+        try:
+            ch.handle(method)
+        except BrokerError as exc:
+            if exc.code in CHANNEL_ERROR_CODES:
+                self._close_channel(ch, exc, class_id, method_id)
+            else:
+                exc.class_id = class_id  # type: ignore[attr-defined]
+                exc.method_id = method_id  # type: ignore[attr-defined]
+                raise
+
+    def _close_channel(self, ch: Channel, exc: BrokerError, class_id: int, method_id: int) -> None:
+        log.info(
+            "channel closed by server",
+            extra={"peer": self._peer_text(), "channel": ch.number, "code": exc.code, "reason": exc.text},
+        )
+        ch.flush_confirms()
+        ch.release()
+        self.send_method(
+            ch.number,
+            commands.Channel.Close(
+                reply_code=exc.code, reply_text=exc.reply_text[:255], class_id=class_id, method_id=method_id
+            ),
+        )
+
+    # ---------------------------------------------------- connection class
+    def _send_start(self) -> None:
+        props: dict[str, Any] = {
+            "product": self.settings.product,
+            "version": self.settings.version,
+            "platform": "Python",
+            "copyright": "Leveret authors",
+            "information": "AMQP 0-9-1 broker; see https://www.rabbitmq.com/amqp-0-9-1-reference.html",
+            "cluster_name": self.node_id,
+            "capabilities": dict(CAPABILITIES),
+        }
+        props.update(self.settings.server_properties_extra)
+        self.send_method(
+            0,
+            commands.Connection.Start(
+                version_major=0,
+                version_minor=9,
+                server_properties=props,
+                mechanisms="PLAIN AMQPLAIN",
+                locales="en_US",
+            ),
+        )
+        self.state = State.AWAIT_START_OK
+
+    def _connection_method(self, payload: bytes) -> None:
+        method = self._decode(payload)
+        state = self.state
+        if isinstance(method, commands.Connection.Close):
+            self.send_method(0, commands.Connection.CloseOk())
+            self._closed("closed by client")
+            return
+        if isinstance(method, commands.Connection.CloseOk):
+            self._closed("close-ok without close")
+            return
+        if state is State.AWAIT_START_OK and isinstance(method, commands.Connection.StartOk):
+            self._start_ok(method)
+        elif state is State.AWAIT_TUNE_OK and isinstance(method, commands.Connection.TuneOk):
+            self._tune_ok(method)
+        elif state is State.AWAIT_OPEN and isinstance(method, commands.Connection.Open):
+            assert self.user is not None
+            self.vhost = self.broker.open_vhost(self.user, method.virtual_host)
+            self.state = State.OPEN
+            self.send_method(0, commands.Connection.OpenOk())
+            log.info(
+                "connection opened",
+                extra={"peer": self._peer_text(), "user": self.username, "vhost": self.vhost.name,
+                       "client": str(self.client_properties.get("product", ""))},
+            )
+        elif state is State.OPEN and isinstance(method, commands.Connection.UpdateSecret):
+            raise NotAllowed("connection.update-secret is only for token-based logins, not PLAIN users")
+        else:
+            raise CommandInvalid(f"{method.name} is not expected on channel 0 in state {state.value}")
+
+    def _start_ok(self, m: commands.Connection.StartOk) -> None:
+        self.client_properties = dict(m.client_properties or {})
+        mechanism = m.mechanism
+        response = m.response if isinstance(m.response, bytes) else str(m.response).encode("utf-8", "surrogateescape")
+        try:
+            username, password = _credentials(mechanism, response)
+            self.user = self.broker.authenticate(username, password, self.peer[0] if self.peer else None)
+        except AccessRefused as exc:
+            log.warning(
+                "login refused", extra={"peer": self._peer_text(), "mechanism": mechanism, "reason": exc.text}
+            )
+            if mechanism not in ("PLAIN", "AMQPLAIN"):
+                exc = AccessRefused(f"unsupported authentication mechanism '{mechanism}'; use PLAIN or AMQPLAIN")
+            elif "localhost" not in exc.text:
+                exc = AccessRefused(
+                    f"Login was refused using authentication mechanism {mechanism}. "
+                    "For details see the broker logfile."
+                )
+            if self.client_capability("authentication_failure_close"):
+                self.close_with_error(exc)
+            else:
+                self._closed("authentication failed")
+            return
+        self.username = self.user.name
+        s = self.settings
+        self.state = State.AWAIT_TUNE_OK
+        self.send_method(
+            0, commands.Connection.Tune(channel_max=s.channel_max, frame_max=s.frame_max, heartbeat=s.heartbeat)
+        )
+
+    def _tune_ok(self, m: commands.Connection.TuneOk) -> None:
+        s = self.settings
+        for name, value, server, minimum in (
+            ("frame_max", m.frame_max, s.frame_max, FRAME_MIN_SIZE),
+            ("channel_max", m.channel_max, s.channel_max, 0),
+        ):
+            if value != 0 and value < minimum:
+                raise NotAllowed(f"negotiated {name} = {value} is lower than the minimum allowed value ({minimum})")
+            if server != 0 and (value == 0 or value > server):
+                raise NotAllowed(f"negotiated {name} = {value} is higher than the maximum allowed value ({server})")
+        self.frame_max = m.frame_max
+        self.channel_max = m.channel_max or 65535
+        self.heartbeat = m.heartbeat
+        self.state = State.AWAIT_OPEN
+
+    # ----------------------------------------------------------- closing
+    def close_with_error(self, exc: BrokerError) -> None:
+        """Close the whole connection with ``exc``'s reply code (a connection error)."""
+        if self.state in (State.CLOSING, State.CLOSED):
+            return
+        log.warning(
+            "connection closed by server",
+            extra={"peer": self._peer_text(), "code": exc.code, "reason": exc.text},
+        )
+        for ch in list(self.channels.values()):
+            ch.release()
+        self.flush_confirms()
+        self.send_method(
+            0,
+            commands.Connection.Close(
+                reply_code=exc.code,
+                reply_text=exc.reply_text[:255],
+                class_id=getattr(exc, "class_id", 0),
+                method_id=getattr(exc, "method_id", 0),
+            ),
+        )
+        self.state = State.CLOSING
+        self.closing_since = time.monotonic()
+        self.close_reason = exc.reply_text
+        if self.vhost is None:
+            # Before open (bad login, failed tune): nothing to wait for.
+            self.should_close = True
+
+    def close(self, code: int = 320, text: str = "CONNECTION_FORCED - broker forced connection closure") -> None:
+        """Server-initiated clean close (shutdown)."""
+        if self.state in (State.CLOSING, State.CLOSED):
+            return
+        if self.state is not State.OPEN:
+            self._closed("shutdown")
+            return
+        for ch in list(self.channels.values()):
+            ch.release()
+        self.send_method(0, commands.Connection.Close(reply_code=code, reply_text=text, class_id=0, method_id=0))
+        self.state = State.CLOSING
+        self.closing_since = time.monotonic()
+
+    def _closed(self, reason: str) -> None:
+        self.state = State.CLOSED
+        self.should_close = True
+        self.close_reason = self.close_reason or reason
+
+    def connection_lost(self) -> None:
+        """The transport is gone: requeue what this connection held, drop its exclusive queues."""
+        self.state = State.CLOSED
+        self.should_close = True
+        for ch in list(self.channels.values()):
+            ch.release()
+        self.channels.clear()
+        if self.vhost is not None:
+            self.vhost.drop_exclusive_queues(self)
+        log.info("connection closed", extra={"peer": self._peer_text(), "reason": self.close_reason or "socket closed"})
+
+    # ------------------------------------------------------------- timers
+    def tick(self, now: float) -> None:
+        """Heartbeats and time-outs; the I/O layer calls this every second or so."""
+        if self.state is State.CLOSED:
+            return
+        if self.state in (State.AWAIT_HEADER, State.AWAIT_START_OK, State.AWAIT_TUNE_OK, State.AWAIT_OPEN):
+            if now - self.opened_at > self.settings.handshake_timeout:
+                self.close_reason = "handshake timeout"
+                self._closed("handshake timeout")
+            return
+        if self.state is State.CLOSING:
+            if now - self.closing_since > self.settings.close_timeout:
+                self._closed("no close-ok from client")
+            return
+        hb = self.heartbeat
+        if hb <= 0:
+            return
+        if now - self.last_received > 2 * hb:
+            self.close_reason = f"missed heartbeats from client, timeout: {hb}s"
+            log.warning("missed heartbeats", extra={"peer": self._peer_text(), "timeout": hb})
+            self._closed(self.close_reason)
+            return
+        if now - self.last_sent >= hb / 2 and not self._out:
+            self.write(codec.HEARTBEAT_FRAME)
+
+    def _peer_text(self) -> str:
+        return f"{self.peer[0]}:{self.peer[1]}" if self.peer else "-"
+
+
+def _noop() -> None:
+    pass
+
+
+def _credentials(mechanism: str, response: bytes) -> tuple[str, str]:
+    if mechanism == "PLAIN":
+        parts = response.split(b"\x00")
+        if len(parts) != 3:
+            raise AccessRefused("malformed PLAIN response")
+        return parts[1].decode("utf-8", "replace"), parts[2].decode("utf-8", "replace")
+    if mechanism == "AMQPLAIN":
+        # A field table without its length prefix (what py-amqp and others send).
+        try:
+            table, _ = fieldtable.decode_table(len(response).to_bytes(4, "big") + response)
+        except fieldtable.FieldTableError as exc:
+            raise AccessRefused(f"malformed AMQPLAIN response: {exc}") from exc
+        login, password = table.get("LOGIN", ""), table.get("PASSWORD", "")
+        return (
+            login.decode() if isinstance(login, (bytes, bytearray)) else str(login),
+            password.decode() if isinstance(password, (bytes, bytearray)) else str(password),
+        )
+    raise AccessRefused(f"unsupported authentication mechanism '{mechanism}'")

@@ -1,0 +1,133 @@
+"""The thin asyncio layer: sockets in, bytes to the state machine, bytes out."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+
+from amqp_frontend.connection import Connection, ServerSettings, State
+from core.broker import Broker
+
+log = logging.getLogger("leveret.amqp")
+
+
+class AMQPProtocol(asyncio.Protocol):
+    def __init__(self, server: AMQPServer) -> None:
+        self.server = server
+        self.conn: Connection | None = None
+        self.transport: asyncio.Transport | None = None
+        self._flush_scheduled = False
+        self._loop = asyncio.get_running_loop()
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self.transport = transport  # type: ignore[assignment]  # uvloop's is not an asyncio.Transport subclass
+        peer = transport.get_extra_info("peername")
+        conn = Connection(self.server.broker, self.server.settings, peer=(peer[0], peer[1]) if peer else None)
+        conn.on_output = self._schedule_flush
+        self.conn = conn
+        self.transport.set_write_buffer_limits(high=1024 * 1024, low=256 * 1024)
+        self.server.connections.add(self)
+
+    def data_received(self, data: bytes) -> None:
+        conn = self.conn
+        assert conn is not None
+        conn.receive_data(data)
+        self._flush()
+
+    def _schedule_flush(self) -> None:
+        if not self._flush_scheduled:
+            self._flush_scheduled = True
+            self._loop.call_soon(self._flush)
+
+    def _flush(self) -> None:
+        self._flush_scheduled = False
+        conn = self.conn
+        transport = self.transport
+        if conn is None or transport is None:
+            return
+        data = conn.data_to_send()
+        if data and not transport.is_closing():
+            transport.write(data)
+        if conn.should_close:
+            transport.close()
+        elif conn.out_bytes == 0 and not conn.transport_paused:
+            # Deliveries stopped at the in-process high mark resume once flushed.
+            conn.resume_deliveries()
+            if conn.out_bytes:
+                self._schedule_flush()
+
+    def pause_writing(self) -> None:
+        if self.conn is not None:
+            self.conn.set_transport_paused(True)
+
+    def resume_writing(self) -> None:
+        if self.conn is not None:
+            self.conn.set_transport_paused(False)
+            self._schedule_flush()
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self.server.connections.discard(self)
+        if self.conn is not None:
+            self.conn.connection_lost()
+        self.transport = None
+
+    def tick(self, now: float) -> None:
+        conn = self.conn
+        if conn is None:
+            return
+        conn.tick(now)
+        self._flush()
+
+
+class AMQPServer:
+    def __init__(self, broker: Broker, settings: ServerSettings | None = None) -> None:
+        self.broker = broker
+        self.settings = settings or ServerSettings()
+        self.connections: set[AMQPProtocol] = set()
+        self._server: asyncio.base_events.Server | None = None
+        self._ticker: asyncio.Task[None] | None = None
+
+    async def start(self, host: str, port: int) -> None:
+        loop = asyncio.get_running_loop()
+        self._server = await loop.create_server(lambda: AMQPProtocol(self), host, port, reuse_address=True, backlog=1024)
+        self._ticker = asyncio.create_task(self._tick_forever())
+        log.info("amqp listening", extra={"host": host, "port": port})
+
+    @property
+    def port(self) -> int:
+        assert self._server is not None
+        return int(self._server.sockets[0].getsockname()[1])
+
+    async def _tick_forever(self) -> None:
+        while True:
+            await asyncio.sleep(1.0)
+            now = time.monotonic()
+            for proto in list(self.connections):
+                try:
+                    proto.tick(now)
+                except Exception:  # one connection's bug must not stop everyone's heartbeats
+                    log.exception("tick failed")
+
+    async def stop(self, grace: float = 2.0) -> None:
+        """Stop accepting, close every connection with 320, wait briefly for close-ok."""
+        if self._server is not None:
+            self._server.close()
+        for proto in list(self.connections):
+            if proto.conn is not None:
+                proto.conn.close()
+                proto._flush()
+        deadline = time.monotonic() + grace
+        while self.connections and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+            for proto in list(self.connections):
+                if proto.conn is not None and proto.conn.state is State.CLOSED:
+                    if proto.transport is not None:
+                        proto.transport.close()
+        for proto in list(self.connections):
+            if proto.transport is not None:
+                proto.transport.abort()
+        if self._ticker is not None:
+            self._ticker.cancel()
+        if self._server is not None:
+            await self._server.wait_closed()

@@ -1,0 +1,91 @@
+"""The broker: virtual hosts and users of one node."""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import ipaddress
+import os
+from dataclasses import dataclass, field
+
+from core.errors import AccessRefused, NotAllowed
+from core.vhost import VirtualHost
+
+
+def _hash(password: str, salt: bytes) -> bytes:
+    return hashlib.pbkdf2_hmac("sha256", password.encode("utf-8"), salt, 1)
+
+
+@dataclass
+class User:
+    name: str
+    salt: bytes
+    password_hash: bytes
+    tags: tuple[str, ...] = ()
+    vhosts: set[str] = field(default_factory=set)  # empty: no vhost at all
+    loopback_only: bool = False
+
+    @classmethod
+    def create(cls, name: str, password: str, **kwargs: object) -> User:
+        salt = os.urandom(16)
+        return cls(name, salt, _hash(password, salt), **kwargs)  # type: ignore[arg-type]
+
+    def check_password(self, password: str) -> bool:
+        return hmac.compare_digest(_hash(password, self.salt), self.password_hash)
+
+
+def is_loopback(address: str | None) -> bool:
+    if address is None:
+        return True  # in-process callers (tests of the state machine)
+    try:
+        return ipaddress.ip_address(address.split("%")[0]).is_loopback
+    except ValueError:
+        return False
+
+
+class Broker:
+    """Everything one node serves: vhosts (with their topology) and users."""
+
+    def __init__(self, node_id: str = "leveret", default_user: tuple[str, str] | None = ("guest", "guest")) -> None:
+        self.node_id = node_id
+        self.vhosts: dict[str, VirtualHost] = {}
+        self.users: dict[str, User] = {}
+        self.add_vhost("/")
+        if default_user is not None:
+            name, password = default_user
+            # As in RabbitMQ, the well-known default account only works from loopback.
+            self.add_user(name, password, tags=("administrator",), vhosts={"/"}, loopback_only=True)
+
+    def add_vhost(self, name: str) -> VirtualHost:
+        vh = self.vhosts.get(name)
+        if vh is None:
+            vh = self.vhosts[name] = VirtualHost(name)
+        return vh
+
+    def add_user(
+        self,
+        name: str,
+        password: str,
+        tags: tuple[str, ...] = (),
+        vhosts: set[str] | None = None,
+        loopback_only: bool = False,
+    ) -> User:
+        user = User.create(name, password, tags=tags, vhosts=set(vhosts or ()), loopback_only=loopback_only)
+        self.users[name] = user
+        return user
+
+    def authenticate(self, username: str, password: str, peer_host: str | None) -> User:
+        user = self.users.get(username)
+        if user is None or not user.check_password(password):
+            raise AccessRefused("Login was refused using authentication mechanism PLAIN")
+        if user.loopback_only and not is_loopback(peer_host):
+            raise AccessRefused(f"user '{username}' can only connect via localhost")
+        return user
+
+    def open_vhost(self, user: User, name: str) -> VirtualHost:
+        vh = self.vhosts.get(name)
+        if vh is None:
+            raise NotAllowed(f"vhost {name} not found")
+        if name not in user.vhosts:
+            raise NotAllowed(f"access to vhost '{name}' refused for user '{user.name}'")
+        return vh

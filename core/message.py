@@ -1,0 +1,81 @@
+"""The message model: content shared by every queue, and a message's place in one queue."""
+
+from __future__ import annotations
+
+import itertools
+import time
+from typing import Any
+
+from core import properties
+
+_ids = itertools.count(1)
+
+
+class Message:
+    """A published message; immutable once routed and shared between queues.
+
+    ``props`` is the AMQP basic-properties encoding as the publisher sent it
+    (see core.properties); ``summary`` holds the few fields the broker acts on.
+    """
+
+    __slots__ = (
+        "seq",
+        "node",
+        "exchange",
+        "routing_key",
+        "props",
+        "summary",
+        "body",
+        "timestamp",
+        "_headers",
+    )
+
+    def __init__(
+        self,
+        exchange: str,
+        routing_key: str,
+        props: bytes,
+        body: bytes,
+        summary: properties.PropertySummary | None = None,
+        node: str = "",
+    ) -> None:
+        self.seq = next(_ids)
+        self.node = node
+        self.exchange = exchange
+        self.routing_key = routing_key
+        self.props = props
+        self.summary = summary if summary is not None else properties.scan(props)
+        self.body = body
+        self.timestamp = time.time()
+        self._headers: dict[str, Any] | None = None
+
+    @property
+    def id(self) -> str:
+        """Unique id; consumers use it to drop duplicates after a failover."""
+        return f"{self.node}-{self.timestamp:.0f}-{self.seq}"
+
+    @property
+    def persistent(self) -> bool:
+        return self.summary.delivery_mode == 2
+
+    @property
+    def size(self) -> int:
+        return len(self.body)
+
+    @property
+    def headers(self) -> dict[str, Any]:
+        if self._headers is None:
+            self._headers = properties.headers_of(self.props, self.summary)
+        return self._headers
+
+
+class QueuedMessage:
+    """One message in one queue: its offset there, and how often it went out."""
+
+    __slots__ = ("message", "offset", "redelivered", "delivery_count")
+
+    def __init__(self, message: Message, offset: int) -> None:
+        self.message = message
+        self.offset = offset
+        self.redelivered = False
+        self.delivery_count = 0

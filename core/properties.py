@@ -1,0 +1,167 @@
+"""Message properties kept in their AMQP basic-class encoding.
+
+A message's properties are stored, forwarded and delivered as the bytes the
+publisher sent (flags + property list), so the hot path never re-encodes
+them. ``scan`` pulls out only the few fields the broker acts on; ``decode`` /
+``encode`` give the whole set for the slower paths (headers exchange, dead
+lettering, the native API).
+"""
+
+from __future__ import annotations
+
+import struct
+from typing import Any
+
+from core.fieldtable import FieldTableError, decode_table, encode_table
+
+_u16 = struct.Struct(">H")
+_u64 = struct.Struct(">Q")
+
+# (flag bit, name, kind) in wire order.
+FIELDS: tuple[tuple[int, str, str], ...] = (
+    (0x8000, "content_type", "shortstr"),
+    (0x4000, "content_encoding", "shortstr"),
+    (0x2000, "headers", "table"),
+    (0x1000, "delivery_mode", "octet"),
+    (0x0800, "priority", "octet"),
+    (0x0400, "correlation_id", "shortstr"),
+    (0x0200, "reply_to", "shortstr"),
+    (0x0100, "expiration", "shortstr"),
+    (0x0080, "message_id", "shortstr"),
+    (0x0040, "timestamp", "timestamp"),
+    (0x0020, "type", "shortstr"),
+    (0x0010, "user_id", "shortstr"),
+    (0x0008, "app_id", "shortstr"),
+    (0x0004, "cluster_id", "shortstr"),
+)
+
+EMPTY = b"\x00\x00"
+
+
+class PropertiesError(ValueError):
+    """Properties that do not decode."""
+
+
+class PropertySummary:
+    """What the broker itself needs from a message's properties."""
+
+    __slots__ = ("delivery_mode", "priority", "expiration", "user_id", "headers_at")
+
+    def __init__(self) -> None:
+        self.delivery_mode = 0
+        self.priority = 0
+        self.expiration: str | None = None
+        self.user_id: str | None = None
+        # Offset of the headers table in the raw bytes, decoded only on demand.
+        self.headers_at = -1
+
+
+_NO_PROPERTIES = PropertySummary()
+
+
+def scan(raw: bytes) -> PropertySummary:
+    """Read delivery mode, priority, expiration, user-id and where headers are.
+
+    Hand-written because it runs once per published message: pamqp's full
+    decode costs several microseconds that most messages do not need.
+    """
+    if raw == EMPTY:
+        return _NO_PROPERTIES
+    try:
+        (flags,) = _u16.unpack_from(raw, 0)
+        pos = 2
+        while flags & 1:  # continuation flag words; basic uses none, skip them
+            (flags,) = _u16.unpack_from(raw, pos)
+            pos += 2
+        out = PropertySummary()
+        for bit, name, kind in FIELDS:
+            if not flags & bit:
+                continue
+            if kind == "shortstr":
+                n = raw[pos]
+                if name == "expiration":
+                    out.expiration = raw[pos + 1 : pos + 1 + n].decode("utf-8", "replace")
+                elif name == "user_id":
+                    out.user_id = raw[pos + 1 : pos + 1 + n].decode("utf-8", "replace")
+                pos += 1 + n
+            elif kind == "octet":
+                if name == "delivery_mode":
+                    out.delivery_mode = raw[pos]
+                else:
+                    out.priority = raw[pos]
+                pos += 1
+            elif kind == "table":
+                out.headers_at = pos
+                pos += 4 + int.from_bytes(raw[pos : pos + 4], "big")
+            else:  # timestamp
+                pos += 8
+        if pos > len(raw):
+            raise PropertiesError("content header properties are truncated")
+        return out
+    except (IndexError, struct.error) as exc:
+        raise PropertiesError("content header properties are truncated") from exc
+
+
+def headers_of(raw: bytes, summary: PropertySummary) -> dict[str, Any]:
+    if summary.headers_at < 0:
+        return {}
+    try:
+        return decode_table(raw, summary.headers_at)[0]
+    except FieldTableError as exc:
+        raise PropertiesError(str(exc)) from exc
+
+
+def decode(raw: bytes) -> dict[str, Any]:
+    """All properties as a dict of the names in ``FIELDS``."""
+    out: dict[str, Any] = {}
+    try:
+        (flags,) = _u16.unpack_from(raw, 0)
+        pos = 2
+        for bit, name, kind in FIELDS:
+            if not flags & bit:
+                continue
+            if kind == "shortstr":
+                n = raw[pos]
+                out[name] = raw[pos + 1 : pos + 1 + n].decode("utf-8", "replace")
+                pos += 1 + n
+            elif kind == "octet":
+                out[name] = raw[pos]
+                pos += 1
+            elif kind == "table":
+                out[name], pos = decode_table(raw, pos)
+            else:
+                (out[name],) = _u64.unpack_from(raw, pos)
+                pos += 8
+    except (IndexError, struct.error, FieldTableError) as exc:
+        raise PropertiesError(f"content header properties do not decode: {exc}") from exc
+    return out
+
+
+def encode(props: dict[str, Any]) -> bytes:
+    """Encode a dict of properties (names as in ``FIELDS``; timestamp in seconds)."""
+    flags = 0
+    parts: list[bytes] = []
+    for bit, name, kind in FIELDS:
+        value = props.get(name)
+        if value is None:
+            continue
+        flags |= bit
+        if kind == "shortstr":
+            raw = str(value).encode("utf-8")
+            if len(raw) > 255:
+                raise PropertiesError(f"property {name} is longer than 255 bytes")
+            parts.append(bytes((len(raw),)) + raw)
+        elif kind == "octet":
+            parts.append(bytes((int(value) & 0xFF,)))
+        elif kind == "table":
+            parts.append(encode_table(value))
+        else:
+            parts.append(_u64.pack(int(value)))
+    return _u16.pack(flags) + b"".join(parts)
+
+
+def with_headers(raw: bytes, headers: dict[str, Any]) -> bytes:
+    """The same properties with the headers table replaced."""
+    props = decode(raw)
+    props["headers"] = headers
+    return encode(props)

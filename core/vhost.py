@@ -1,0 +1,298 @@
+"""A virtual host: its exchanges, queues and bindings, and routing between them."""
+
+from __future__ import annotations
+
+import base64
+import logging
+import os
+from collections.abc import Callable
+from typing import Any
+
+from core.errors import AccessRefused, NotFound, PreconditionFailed, ResourceLocked
+from core.exchange import Binding, Destination, Exchange, make_exchange
+from core.message import Message
+from core.queue import Queue
+
+log = logging.getLogger("leveret.core")
+
+STANDARD_EXCHANGES = (
+    ("amq.direct", "direct"),
+    ("amq.fanout", "fanout"),
+    ("amq.topic", "topic"),
+    ("amq.headers", "headers"),
+    ("amq.match", "headers"),
+)
+
+# Queue arguments this node understands. Anything else starting with "x-"
+# changes semantics we do not implement, so it is refused, not ignored.
+KNOWN_QUEUE_ARGUMENTS: frozenset[str] = frozenset()
+KNOWN_EXCHANGE_ARGUMENTS: frozenset[str] = frozenset()
+
+
+def _fmt(value: Any) -> str:
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if value is None:
+        return "none"
+    return str(value)
+
+
+def server_generated_name(prefix: str = "amq.gen-") -> str:
+    return prefix + base64.urlsafe_b64encode(os.urandom(16)).decode().rstrip("=")
+
+
+class VirtualHost:
+    def __init__(self, name: str) -> None:
+        self.name = name
+        self.exchanges: dict[str, Exchange] = {}
+        self.queues: dict[str, Queue] = {}
+        # Observers of queue deletion (channels tracking their last-declared queue, etc.).
+        self.on_queue_deleted: list[Callable[[Queue], None]] = []
+        for xname, xtype in STANDARD_EXCHANGES:
+            self.exchanges[xname] = make_exchange(xtype, xname, durable=True)
+
+    # -- lookups ---------------------------------------------------------------
+    def get_exchange(self, name: str) -> Exchange:
+        x = self.exchanges.get(name)
+        if x is None:
+            raise NotFound(f"no exchange '{name}' in vhost '{self.name}'")
+        return x
+
+    def get_queue(self, name: str, owner: object | None = None) -> Queue:
+        q = self.queues.get(name)
+        if q is None:
+            raise NotFound(f"no queue '{name}' in vhost '{self.name}'")
+        if q.exclusive_owner is not None and q.exclusive_owner is not owner:
+            raise ResourceLocked(
+                f"cannot obtain exclusive access to locked queue '{name}' in vhost '{self.name}'. "
+                "It could be originally declared on another connection or the exclusive property "
+                "value does not match that of the original declaration."
+            )
+        return q
+
+    # -- exchanges -------------------------------------------------------------
+    def declare_exchange(
+        self,
+        name: str,
+        type_: str,
+        passive: bool = False,
+        durable: bool = False,
+        auto_delete: bool = False,
+        internal: bool = False,
+        arguments: dict[str, Any] | None = None,
+    ) -> Exchange:
+        if passive:
+            return self.get_exchange(name)
+        if name == "":
+            raise AccessRefused("operation not permitted on the default exchange")
+        arguments = dict(arguments or {})
+        existing = self.exchanges.get(name)
+        if existing is None:
+            if name.startswith("amq."):
+                raise AccessRefused(
+                    f"exchange name '{name}' contains reserved prefix 'amq.*'"
+                )
+            for key in arguments:
+                if key.startswith("x-") and key not in KNOWN_EXCHANGE_ARGUMENTS:
+                    raise PreconditionFailed(
+                        f"unsupported exchange argument '{key}' for exchange '{name}' in vhost "
+                        f"'{self.name}': this node does not implement it"
+                    )
+            x = make_exchange(
+                type_, name, durable=durable, auto_delete=auto_delete, internal=internal, arguments=arguments
+            )
+            self.exchanges[name] = x
+            log.debug("exchange declared", extra={"vhost": self.name, "exchange": name, "type": type_})
+            return x
+        self._check_equivalent(
+            "exchange",
+            name,
+            (("type", type_, existing.type), ("durable", durable, existing.durable),
+             ("auto_delete", auto_delete, existing.auto_delete), ("internal", internal, existing.internal)),
+            arguments,
+            existing.arguments,
+        )
+        return existing
+
+    def delete_exchange(self, name: str, if_unused: bool = False) -> None:
+        if name == "" or name.startswith("amq."):
+            raise AccessRefused(f"operation not permitted on exchange '{name}' in vhost '{self.name}'"
+                                if name else "operation not permitted on the default exchange")
+        x = self.exchanges.get(name)
+        if x is None:
+            return  # deletes are idempotent, as in RabbitMQ
+        if if_unused and x.bindings:
+            raise PreconditionFailed(f"exchange '{name}' in vhost '{self.name}' in use")
+        self._drop_exchange(x)
+
+    def _drop_exchange(self, x: Exchange) -> None:
+        x.deleted = True
+        self.exchanges.pop(x.name, None)
+        x.bindings.clear()
+        # Bindings where this exchange is the destination go too.
+        for other in list(self.exchanges.values()):
+            for b in other.bindings_to(x):
+                self._unbind(b)
+
+    # -- queues ----------------------------------------------------------------
+    def declare_queue(
+        self,
+        name: str,
+        owner: object,
+        passive: bool = False,
+        durable: bool = False,
+        exclusive: bool = False,
+        auto_delete: bool = False,
+        arguments: dict[str, Any] | None = None,
+    ) -> Queue:
+        if passive:
+            return self.get_queue(name, owner)
+        arguments = dict(arguments or {})
+        generated = name == ""
+        if generated:
+            name = server_generated_name()
+        existing = self.queues.get(name)
+        if existing is None:
+            if name.startswith("amq.") and not generated:
+                raise AccessRefused(f"queue name '{name}' contains reserved prefix 'amq.*'")
+            for key in arguments:
+                if key.startswith("x-") and key not in KNOWN_QUEUE_ARGUMENTS:
+                    raise PreconditionFailed(
+                        f"unsupported queue argument '{key}' for queue '{name}' in vhost "
+                        f"'{self.name}': this node does not implement it"
+                    )
+            q = Queue(
+                name,
+                self.name,
+                durable=durable,
+                exclusive_owner=owner if exclusive else None,
+                auto_delete=auto_delete,
+                arguments=arguments,
+                on_unused=self._queue_unused,
+            )
+            self.queues[name] = q
+            # Every queue is bound to the default exchange by its name; that
+            # binding is implicit (see route), not stored.
+            log.debug("queue declared", extra={"vhost": self.name, "queue": name})
+            return q
+        self.get_queue(name, owner)  # exclusive check -> 405
+        self._check_equivalent(
+            "queue",
+            name,
+            (("durable", durable, existing.durable), ("exclusive", exclusive, existing.exclusive),
+             ("auto_delete", auto_delete, existing.auto_delete)),
+            arguments,
+            existing.arguments,
+        )
+        return existing
+
+    def _check_equivalent(
+        self,
+        kind: str,
+        name: str,
+        fields: tuple[tuple[str, Any, Any], ...],
+        args: dict[str, Any],
+        current_args: dict[str, Any],
+    ) -> None:
+        for field, received, current in fields:
+            if received != current:
+                raise PreconditionFailed(
+                    f"inequivalent arg '{field}' for {kind} '{name}' in vhost '{self.name}': "
+                    f"received '{_fmt(received)}' but current is '{_fmt(current)}'"
+                )
+        for key in sorted(set(args) | set(current_args)):
+            if key.startswith("x-") and args.get(key) != current_args.get(key):
+                raise PreconditionFailed(
+                    f"inequivalent arg '{key}' for {kind} '{name}' in vhost '{self.name}': "
+                    f"received {_fmt(args.get(key))!s} but current is {_fmt(current_args.get(key))!s}"
+                )
+
+    def delete_queue(self, name: str, owner: object, if_unused: bool = False, if_empty: bool = False) -> int:
+        q = self.queues.get(name)
+        if q is None:
+            return 0  # idempotent, as in RabbitMQ
+        self.get_queue(name, owner)
+        if if_unused and q.consumer_count:
+            raise PreconditionFailed(f"queue '{name}' in vhost '{self.name}' in use")
+        if if_empty and q.message_count:
+            raise PreconditionFailed(f"queue '{name}' in vhost '{self.name}' is not empty")
+        return self._drop_queue(q)
+
+    def _drop_queue(self, q: Queue) -> int:
+        if q.deleted:
+            return 0
+        self.queues.pop(q.name, None)
+        for x in list(self.exchanges.values()):
+            for b in x.bindings_to(q):
+                self._unbind(b)
+        count = q.delete()
+        for observer in list(self.on_queue_deleted):
+            observer(q)
+        log.debug("queue deleted", extra={"vhost": self.name, "queue": q.name, "dropped": count})
+        return count
+
+    def _queue_unused(self, q: Queue) -> None:
+        self._drop_queue(q)
+
+    def drop_exclusive_queues(self, owner: object) -> None:
+        for q in [q for q in self.queues.values() if q.exclusive_owner is owner]:
+            self._drop_queue(q)
+
+    def purge_queue(self, name: str, owner: object) -> int:
+        return self.get_queue(name, owner).purge()
+
+    # -- bindings --------------------------------------------------------------
+    def bind(
+        self,
+        source: str,
+        destination: Destination,
+        routing_key: str,
+        arguments: dict[str, Any] | None,
+    ) -> None:
+        if source == "":
+            raise AccessRefused(
+                f"operation not permitted on the default exchange"
+            )
+        x = self.get_exchange(source)
+        x.add_binding(Binding(x, destination, routing_key, arguments))
+
+    def unbind(self, source: str, destination: Destination, routing_key: str, arguments: dict[str, Any] | None) -> None:
+        if source == "":
+            raise AccessRefused("operation not permitted on the default exchange")
+        x = self.get_exchange(source)
+        key = Binding(x, destination, routing_key, arguments).key
+        b = x.bindings.get(key)
+        if b is not None:
+            self._unbind(b)
+
+    def _unbind(self, b: Binding) -> None:
+        x = b.source
+        x.remove_binding(b.key)
+        if x.auto_delete and not x.bindings and not x.deleted:
+            self._drop_exchange(x)
+
+    # -- routing ---------------------------------------------------------------
+    def route(self, exchange: Exchange | None, message: Message) -> list[Queue]:
+        """Every queue ``message`` reaches from ``exchange`` (None: the default exchange)."""
+        rk = message.routing_key
+        if exchange is None:
+            q = self.queues.get(rk)
+            return [q] if q is not None else []
+        dests = exchange.route(rk, message)
+        if not dests:
+            return []
+        # Fast path: only queues, no exchange-to-exchange hops.
+        if all(type(d) is Queue for d in dests):
+            return list(dests)  # type: ignore[arg-type]
+        out: list[Queue] = []
+        seen_x: set[int] = {id(exchange)}
+        pending = list(dests)
+        while pending:
+            d = pending.pop(0)
+            if isinstance(d, Queue):
+                if d not in out:
+                    out.append(d)
+            elif id(d) not in seen_x:
+                seen_x.add(id(d))
+                pending.extend(d.route(rk, message))
+        return out

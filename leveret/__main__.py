@@ -1,0 +1,5 @@
+import sys
+
+from leveret.cli import main
+
+sys.exit(main())

@@ -1,0 +1,62 @@
+"""``leveret``: the command line."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from dataclasses import fields
+
+from leveret import __version__
+from leveret.config import HELP, ConfigError, NodeConfig, load
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="leveret",
+        description="Leveret, an AMQP 0-9-1 message broker. Every option is also read from a TOML "
+        "config file (--config) and from LEVERET_<OPTION> environment variables "
+        "(e.g. LEVERET_AMQP_PORT); flags win over the environment, which wins over the file.",
+    )
+    parser.add_argument("--version", action="version", version=f"leveret {__version__}")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    serve = sub.add_parser(
+        "serve",
+        help="run a broker node",
+        description="Run a broker node: AMQP on --bind:--amqp-port with an embedded store in --data-dir.",
+    )
+    serve.add_argument("--config", metavar="FILE", help="TOML config file (env LEVERET_CONFIG)")
+    defaults = NodeConfig()
+    for f in fields(NodeConfig):
+        flag = "--" + f.name.replace("_", "-")
+        default = getattr(defaults, f.name)
+        serve.add_argument(
+            flag,
+            dest=f.name,
+            default=None,
+            metavar=f.name.upper(),
+            help=f"{HELP[f.name]} (default {default!r}; env LEVERET_{f.name.upper()})",
+        )
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.command != "serve":
+        parser.print_help()
+        return 2
+    overrides = {f.name: getattr(args, f.name) for f in fields(NodeConfig)}
+    try:
+        config = load(args.config, overrides)
+    except ConfigError as exc:
+        print(f"leveret: {exc}", file=sys.stderr)
+        return 2
+    from leveret import logs, node
+
+    logs.setup(config.log_level, config.log_format)
+    try:
+        node.run(config)
+    except OSError as exc:
+        print(f"leveret: cannot serve on {config.bind}:{config.amqp_port}: {exc.strerror or exc}", file=sys.stderr)
+        return 1
+    return 0

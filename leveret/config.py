@@ -1,0 +1,89 @@
+"""Node configuration: defaults < TOML file < LEVERET_* environment < flags."""
+
+from __future__ import annotations
+
+import os
+import tomllib
+from dataclasses import dataclass, fields
+from pathlib import Path
+from typing import Any
+
+
+@dataclass
+class NodeConfig:
+    bind: str = "127.0.0.1"
+    amqp_port: int = 5672
+    grpc_port: int = 50051
+    data_dir: str = "./leveret-data"
+    node_id: str = ""
+    log_level: str = "info"
+    log_format: str = "auto"
+    heartbeat: int = 60
+    frame_max: int = 131072
+    channel_max: int = 2047
+    max_message_size: int = 128 * 1024 * 1024
+    default_user: str = "guest"
+    default_pass: str = "guest"
+
+    @property
+    def resolved_node_id(self) -> str:
+        return self.node_id or f"leveret@{os.uname().nodename}"
+
+
+HELP = {
+    "bind": "address the listeners bind to",
+    "amqp_port": "AMQP 0-9-1 port",
+    "grpc_port": "native gRPC API port (reserved; the API arrives in a later release)",
+    "data_dir": "directory of the embedded store",
+    "node_id": "this node's name in logs and the cluster (default leveret@<hostname>)",
+    "log_level": "debug, info, warning or error",
+    "log_format": "json, text, or auto (text on a terminal, json otherwise)",
+    "heartbeat": "heartbeat interval in seconds the server proposes (0 disables)",
+    "frame_max": "largest frame in bytes the server accepts",
+    "channel_max": "most channels per connection",
+    "max_message_size": "largest message body in bytes",
+    "default_user": "user created at start, allowed from loopback only (as RabbitMQ's guest)",
+    "default_pass": "password of the default user",
+}
+
+
+class ConfigError(ValueError):
+    pass
+
+
+def _coerce(name: str, kind: Any, value: Any, source: str) -> Any:
+    try:
+        if kind is int or kind == "int":
+            return int(value)
+        return str(value)
+    except (TypeError, ValueError) as exc:
+        raise ConfigError(f"{source}: {name} must be an integer, got {value!r}") from exc
+
+
+def load(config_file: str | None, overrides: dict[str, Any], environ: dict[str, str] | None = None) -> NodeConfig:
+    environ = dict(os.environ if environ is None else environ)
+    cfg = NodeConfig()
+    kinds = {f.name: f.type for f in fields(NodeConfig)}
+    config_file = config_file or environ.get("LEVERET_CONFIG")
+    if config_file:
+        path = Path(config_file)
+        try:
+            data = tomllib.loads(path.read_text())
+        except FileNotFoundError as exc:
+            raise ConfigError(f"config file {path} does not exist") from exc
+        except tomllib.TOMLDecodeError as exc:
+            raise ConfigError(f"config file {path} is not valid TOML: {exc}") from exc
+        section = data.get("leveret", data)
+        for key, value in section.items():
+            name = key.replace("-", "_")
+            if name not in kinds:
+                raise ConfigError(f"config file {path}: unknown option {key!r}")
+            setattr(cfg, name, _coerce(name, kinds[name], value, str(path)))
+    for name in kinds:
+        env_name = "LEVERET_" + name.upper()
+        if env_name in environ:
+            setattr(cfg, name, _coerce(name, kinds[name], environ[env_name], env_name))
+    for name, value in overrides.items():
+        if value is not None:
+            setattr(cfg, name, _coerce(name, kinds[name], value, "--" + name.replace("_", "-")))
+    return cfg

@@ -1,0 +1,71 @@
+"""A Leveret node: the core, the AMQP listener, and their lifecycle."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import signal
+from pathlib import Path
+
+from amqp_frontend.connection import ServerSettings
+from amqp_frontend.server import AMQPServer
+from core.broker import Broker
+from leveret import __version__
+from leveret.config import NodeConfig
+
+log = logging.getLogger("leveret.node")
+
+
+class Node:
+    def __init__(self, config: NodeConfig) -> None:
+        self.config = config
+        self.broker = Broker(
+            node_id=config.resolved_node_id, default_user=(config.default_user, config.default_pass)
+        )
+        self.amqp = AMQPServer(
+            self.broker,
+            ServerSettings(
+                channel_max=config.channel_max,
+                frame_max=config.frame_max,
+                heartbeat=config.heartbeat,
+                max_message_size=config.max_message_size,
+                version=__version__,
+            ),
+        )
+
+    async def start(self) -> None:
+        Path(self.config.data_dir).mkdir(parents=True, exist_ok=True)
+        await self.amqp.start(self.config.bind, self.config.amqp_port)
+        log.info(
+            "node started",
+            extra={
+                "node": self.broker.node_id,
+                "amqp": f"{self.config.bind}:{self.amqp.port}",
+                "data_dir": os.path.abspath(self.config.data_dir),
+                "pid": os.getpid(),
+            },
+        )
+
+    async def stop(self) -> None:
+        log.info("node stopping", extra={"node": self.broker.node_id, "connections": len(self.amqp.connections)})
+        await self.amqp.stop()
+        log.info("node stopped", extra={"node": self.broker.node_id})
+
+    async def run_until_signalled(self) -> None:
+        stop = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, stop.set)
+        await self.start()
+        await stop.wait()
+        await self.stop()
+
+
+def run(config: NodeConfig) -> None:
+    try:
+        import uvloop
+    except ImportError:  # pragma: no cover - uvloop is a dependency, but stay usable without it
+        asyncio.run(Node(config).run_until_signalled())
+        return
+    uvloop.run(Node(config).run_until_signalled())
