@@ -85,14 +85,22 @@ class Channel:
         self.next_tag = tag + 1
         if not consumer.no_ack:
             self.unacked[tag] = (qm, consumer, consumer.channel)
-        m = qm.message
-        conn = self.conn
-        conn.write(
-            codec.deliver_frame(
-                self.number, self._consumer_tag_raw[consumer.tag], tag, qm.redelivered, m.exchange, m.routing_key
-            )
+        route_raw, content = self._wire(qm.message)
+        self.conn.write(
+            codec.delivery(self.number, self._consumer_tag_raw[consumer.tag], tag, qm.redelivered, route_raw, content)
         )
-        conn.write_content(self.number, m.props, m.body)
+
+    def _wire(self, m: Message) -> tuple[bytes, bytes]:
+        """The message's routing shortstrs and content frames for this channel, cached on it."""
+        cache = m.wire_cache
+        number = self.number
+        frame_max = self.conn.frame_max
+        if cache is not None and cache[0] == number and cache[1] == frame_max:
+            return cache[2], cache[3]
+        route_raw = cache[2] if cache is not None else codec.shortstr(m.exchange) + codec.shortstr(m.routing_key)
+        content = b"".join(codec.content_frames(number, m.props, m.body, frame_max))
+        m.wire_cache = (number, frame_max, route_raw, content)
+        return route_raw, content
 
     def consumer_cancelled(self, consumer: Consumer) -> None:
         if self.consumers.pop(consumer.tag, None) is None:
@@ -107,6 +115,18 @@ class Channel:
             raise NotImplementedFeature("immediate=true")
         self.publishing = (exchange, routing_key, mandatory)
         self.awaiting_header = True
+
+    def publish(
+        self, exchange: str, routing_key: str, mandatory: bool, immediate: bool, props: bytes, body: bytes
+    ) -> None:
+        """A whole message at once (the connection's fast path)."""
+        if immediate:
+            raise NotImplementedFeature("immediate=true")
+        try:
+            summary = properties.scan(props)
+        except properties.PropertiesError as exc:
+            raise UnexpectedFrame(str(exc)) from exc
+        self._route(exchange, routing_key, mandatory, props, summary, body)
 
     def content_header(self, payload: bytes) -> None:
         if len(payload) < 14:
@@ -158,7 +178,17 @@ class Channel:
         assert self.publishing is not None and self._summary is not None
         exchange_name, routing_key, mandatory = self.publishing
         self.publishing = None
-        summary = self._summary
+        self._route(exchange_name, routing_key, mandatory, self._props, self._summary, body)
+
+    def _route(
+        self,
+        exchange_name: str,
+        routing_key: str,
+        mandatory: bool,
+        props: bytes,
+        summary: properties.PropertySummary,
+        body: bytes,
+    ) -> None:
         conn = self.conn
         if summary.user_id is not None and summary.user_id != conn.username:
             raise PreconditionFailed(
@@ -177,8 +207,13 @@ class Channel:
                 raise AccessRefused(
                     f"cannot publish to internal exchange '{exchange_name}' in vhost '{vhost.name}'"
                 )
-        message = Message(exchange_name, routing_key, self._props, body, summary, conn.node_id)
-        queues = vhost.route(exchange, message)
+        message = Message(exchange_name, routing_key, props, body, summary, conn.node_id)
+        if exchange is None:
+            # The default exchange: the routing key names the queue.
+            q = vhost.queues.get(routing_key)
+            queues = [q] if q is not None else []
+        else:
+            queues = vhost.route(exchange, message)
         if self.confirm:
             self.publish_seq += 1
         if queues:
@@ -423,9 +458,10 @@ class Channel:
         q.default.dispatch()
 
     def _basic_cancel(self, m: commands.Basic.Cancel) -> None:
-        consumer = self.consumers.pop(m.consumer_tag, None)
+        tag = m.consumer_tag or ""
+        consumer = self.consumers.pop(tag, None)
         if consumer is not None:
-            self._consumer_tag_raw.pop(m.consumer_tag, None)
+            self._consumer_tag_raw.pop(tag, None)
             consumer.channel.remove_consumer(consumer)
         if not m.nowait:
             self._reply(commands.Basic.CancelOk(consumer_tag=m.consumer_tag))
@@ -451,7 +487,7 @@ class Channel:
         self.ack(m.delivery_tag, m.multiple)
 
     def _basic_reject(self, m: commands.Basic.Reject) -> None:
-        self.reject(m.delivery_tag, False, m.requeue)
+        self.reject(m.delivery_tag or 0, False, m.requeue)
 
     def _basic_nack(self, m: commands.Basic.Nack) -> None:
         self.reject(m.delivery_tag, m.multiple, m.requeue)

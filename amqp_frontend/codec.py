@@ -11,7 +11,8 @@ from __future__ import annotations
 
 import struct
 
-from pamqp import commands, frame as pamqp_frame
+from pamqp import commands
+from pamqp import frame as pamqp_frame
 from pamqp.base import Frame as Method
 from pamqp.exceptions import UnmarshalingException
 
@@ -37,7 +38,7 @@ _u32 = struct.Struct(">I")
 _u16 = struct.Struct(">H")
 _ack = struct.Struct(">QB")
 _deliver_tail = struct.Struct(">QB")
-_header_payload = struct.Struct(">HHQ")
+header_payload = struct.Struct(">HHQ")
 _header_frame_head = struct.Struct(">BHIHHQ")
 
 
@@ -57,7 +58,7 @@ def decode_method(payload: bytes) -> Method:
     try:
         method.unmarshal(payload[4:])
     except (struct.error, ValueError, UnicodeDecodeError, UnmarshalingException, IndexError) as exc:
-        raise DecodeError(f"cannot decode {cls.name}: {exc}") from exc
+        raise DecodeError(f"cannot decode {method.name}: {exc}") from exc
     return method
 
 
@@ -138,3 +139,23 @@ def get_ok_frame(
 
 def shortstr(value: str) -> bytes:
     return _shortstr(value)
+
+
+def delivery(
+    channel: int, consumer_tag_raw: bytes, delivery_tag: int, redelivered: bool, route_raw: bytes,
+    content: bytes,
+) -> bytes:
+    """Basic.Deliver plus the message's content frames, as one buffer.
+
+    ``route_raw`` is exchange and routing key already as shortstrs and
+    ``content`` the header and body frames for this channel (both cached on the
+    message), so a delivery costs one pack and one join.
+    """
+    return b"".join((
+        _method_head.pack(FRAME_METHOD, channel, 13 + len(consumer_tag_raw) + len(route_raw), 60, 60),
+        consumer_tag_raw,
+        _deliver_tail.pack(delivery_tag, redelivered),
+        route_raw,
+        FRAME_END_BYTE,
+        content,
+    ))

@@ -41,6 +41,8 @@ log = logging.getLogger("leveret.amqp")
 # Reply codes that close only the channel; every other error closes the connection.
 CHANNEL_ERROR_CODES = frozenset({311, 312, 313, 403, 404, 405, 406})
 FRAME_MIN_SIZE = 4096
+CONNECTION_CLOSE_ID = b"\x00\x0a\x00\x32"
+CONNECTION_CLOSE_OK_ID = b"\x00\x0a\x00\x33"
 
 
 @dataclass
@@ -226,12 +228,64 @@ class Connection:
                     break
                 if buf[end] != codec.FRAME_END:
                     raise FrameError(f"invalid frame end marker 0x{buf[end]:02x}")
+                if ftype == 1 and buf[pos + 7 : pos + 11] == codec.BASIC_PUBLISH_ID:
+                    done = self._whole_publish(buf, pos, end, n, channel)
+                    if done:
+                        pos = done
+                        continue
                 payload = bytes(buf[pos + 7 : end])
                 pos = end + 1
                 self._frame(ftype, channel, payload)
                 frame_max = self.frame_max
         finally:
             del buf[:pos]
+
+    def _whole_publish(self, buf: bytearray, pos: int, end: int, n: int, number: int) -> int:
+        """Publish a message whose method, header and single body frame are all buffered.
+
+        The hot path: one call per message instead of three trips through the
+        frame state machine. Returns the position after the message, or 0 to
+        let the general path handle (and report) anything unusual.
+        """
+        ch = self.channels.get(number)
+        if ch is None or ch.closing or ch.publishing is not None or self.state is not State.OPEN:
+            return 0
+        hpos = end + 1
+        if n - hpos < 22:
+            return 0
+        unpack = codec.frame_head.unpack_from
+        htype, hch, hsize = unpack(buf, hpos)
+        hend = hpos + 7 + hsize
+        if htype != 2 or hch != number or hsize < 14 or hend >= n or buf[hend] != codec.FRAME_END:
+            return 0
+        class_id, _weight, body_size = codec.header_payload.unpack_from(buf, hpos + 7)
+        if class_id != 60:
+            return 0
+        if body_size == 0:
+            body = b""
+            after = hend + 1
+        else:
+            bpos = hend + 1
+            if n - bpos < 8:
+                return 0
+            btype, bch, bsize = unpack(buf, bpos)
+            bend = bpos + 7 + bsize
+            if btype != 3 or bch != number or bsize != body_size or bend >= n or buf[bend] != codec.FRAME_END:
+                return 0
+            body = bytes(buf[bpos + 7 : bend])
+            after = bend + 1
+        try:
+            exchange, rk, mandatory, immediate = codec.decode_publish(bytes(buf[pos + 7 : end]))
+        except (IndexError, UnicodeDecodeError):
+            return 0
+        try:
+            ch.publish(exchange, rk, mandatory, immediate, bytes(buf[hpos + 19 : hend]), body)
+        except BrokerError as exc:
+            if exc.code not in CHANNEL_ERROR_CODES:
+                exc.class_id, exc.method_id = 60, 40  # type: ignore[attr-defined]
+                raise
+            self._close_channel(ch, exc, 60, 40)
+        return after
 
     def _bad_header(self) -> None:
         # The spec: answer a header we do not speak with the one we do, then close.
@@ -243,8 +297,9 @@ class Connection:
     # ------------------------------------------------------------ frames
     def _frame(self, ftype: int, number: int, payload: bytes) -> None:
         if self.state is State.CLOSING:
-            if ftype == codec.FRAME_METHOD and number == 0 and payload[:4] in (b"\x00\x0a\x00\x33", b"\x00\x0a\x00\x32"):
-                if payload[:4] == b"\x00\x0a\x00\x32":  # close crossing ours: answer it
+            method_id = payload[:4] if ftype == codec.FRAME_METHOD and number == 0 else b""
+            if method_id in (CONNECTION_CLOSE_OK_ID, CONNECTION_CLOSE_ID):
+                if method_id == CONNECTION_CLOSE_ID:  # a close crossing ours: answer it
                     self.send_method(0, commands.Connection.CloseOk())
                 self._closed("closed by server")
             return

@@ -21,12 +21,13 @@ class AMQPProtocol(asyncio.Protocol):
         self._loop = asyncio.get_running_loop()
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        self.transport = transport  # type: ignore[assignment]  # uvloop's is not an asyncio.Transport subclass
+        # uvloop's transport is not an asyncio.Transport subclass, so no isinstance check.
+        self.transport = tr = transport  # type: ignore[assignment]
         peer = transport.get_extra_info("peername")
         conn = Connection(self.server.broker, self.server.settings, peer=(peer[0], peer[1]) if peer else None)
         conn.on_output = self._schedule_flush
         self.conn = conn
-        self.transport.set_write_buffer_limits(high=1024 * 1024, low=256 * 1024)
+        tr.set_write_buffer_limits(high=1024 * 1024, low=256 * 1024)  # type: ignore[attr-defined]
         self.server.connections.add(self)
 
     def data_received(self, data: bytes) -> None:
@@ -90,7 +91,9 @@ class AMQPServer:
 
     async def start(self, host: str, port: int) -> None:
         loop = asyncio.get_running_loop()
-        self._server = await loop.create_server(lambda: AMQPProtocol(self), host, port, reuse_address=True, backlog=1024)
+        self._server = await loop.create_server(
+            lambda: AMQPProtocol(self), host, port, reuse_address=True, backlog=1024
+        )
         self._ticker = asyncio.create_task(self._tick_forever())
         log.info("amqp listening", extra={"host": host, "port": port})
 

@@ -14,6 +14,7 @@ import socket
 import time
 from collections import deque
 from collections.abc import Callable
+from typing import cast
 
 from pamqp import commands, frame
 from pamqp.base import Frame
@@ -91,7 +92,8 @@ class Connection(asyncio.Protocol):
             self.frame_max = min(tune.frame_max, PREFERRED_FRAME_MAX)
         # heartbeat=0: scenarios are short and a missed heartbeat under full
         # load would kill the run for a reason unrelated to broker speed.
-        self.send(0, commands.Connection.TuneOk(channel_max=tune.channel_max or 2047, frame_max=self.frame_max, heartbeat=0))
+        channel_max = tune.channel_max or 2047
+        self.send(0, commands.Connection.TuneOk(channel_max=channel_max, frame_max=self.frame_max, heartbeat=0))
         await self.rpc(0, commands.Connection.Open(virtual_host=url.vhost))
 
     async def close(self, timeout: float = 3.0) -> None:
@@ -99,11 +101,9 @@ class Connection(asyncio.Protocol):
         if self.transport is None or self.transport.is_closing():
             return
         try:
-            await asyncio.wait_for(
-                self.rpc(0, commands.Connection.Close(reply_code=200, reply_text="bench done", class_id=0, method_id=0)),
-                timeout,
-            )
-        except (AmqpError, asyncio.TimeoutError, ConnectionError):
+            bye = commands.Connection.Close(reply_code=200, reply_text="bench done", class_id=0, method_id=0)
+            await asyncio.wait_for(self.rpc(0, bye), timeout)
+        except (TimeoutError, AmqpError, ConnectionError):
             pass
         finally:
             self._closing = True
@@ -120,14 +120,14 @@ class Connection(asyncio.Protocol):
     # -- asyncio.Protocol ----------------------------------------------------
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        assert isinstance(transport, asyncio.Transport)
-        self.transport = transport
+        # uvloop's transports don't subclass asyncio.Transport, so cast rather than assert.
+        self.transport = cast(asyncio.Transport, transport)
         sock = transport.get_extra_info("socket")
         if sock is not None:
             # Latency scenario: never let Nagle hold back a lone publish or ack.
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         # Big batched writes: let up to 1 MiB sit in the transport before pausing us.
-        transport.set_write_buffer_limits(high=1 << 20, low=256 << 10)
+        self.transport.set_write_buffer_limits(high=1 << 20, low=256 << 10)
 
     def connection_lost(self, exc: Exception | None) -> None:
         self._fail(AmqpError(f"connection lost: {exc}") if exc else AmqpError("connection closed"))
@@ -249,6 +249,6 @@ class Connection(asyncio.Protocol):
                 if not fut.done():
                     fut.set_exception(exc)
         self._waiters.clear()
-        for fut in (self._drain, self._confirm_waiter):
-            if fut is not None and not fut.done():
-                fut.set_exception(exc)
+        for waiter in (self._drain, self._confirm_waiter):
+            if waiter is not None and not waiter.done():
+                waiter.set_exception(exc)

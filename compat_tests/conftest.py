@@ -13,7 +13,6 @@ import socket
 import subprocess
 import sys
 import time
-import uuid
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from urllib.parse import urlparse
@@ -23,6 +22,7 @@ import pika.exceptions
 import pytest
 
 from compat_tests.raw_amqp import RawAMQP
+from compat_tests.util import Names, unique_name
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 STARTUP_TIMEOUT = 15.0
@@ -126,51 +126,6 @@ def amqp_host(amqp_url: str) -> str:
 @pytest.fixture(scope="session")
 def amqp_port(amqp_url: str) -> int:
     return urlparse(amqp_url).port or 5672
-
-
-def unique_name(prefix: str = "compat") -> str:
-    """A name that no other test (or concurrent test run) will use."""
-    return f"{prefix}.{uuid.uuid4().hex}"
-
-
-class Names:
-    """Hands out unique names and deletes the entities at teardown."""
-
-    def __init__(self) -> None:
-        self.queues: list[str] = []
-        self.exchanges: list[str] = []
-
-    def __call__(self, prefix: str = "compat") -> str:
-        return unique_name(prefix)
-
-    def queue(self, prefix: str = "compat.q") -> str:
-        name = unique_name(prefix)
-        self.queues.append(name)
-        return name
-
-    def exchange(self, prefix: str = "compat.x") -> str:
-        name = unique_name(prefix)
-        self.exchanges.append(name)
-        return name
-
-    def cleanup(self, url: str) -> None:
-        if not self.queues and not self.exchanges:
-            return
-        conn = pika.BlockingConnection(pika.URLParameters(url))
-        try:
-            ch = conn.channel()
-            for kind, names in (("queue", self.queues), ("exchange", self.exchanges)):
-                for name in names:
-                    try:
-                        if kind == "queue":
-                            ch.queue_delete(name)
-                        else:
-                            ch.exchange_delete(name)
-                    except pika.exceptions.ChannelClosed:
-                        ch = conn.channel()
-        finally:
-            if conn.is_open:
-                conn.close()
 
 
 @pytest.fixture

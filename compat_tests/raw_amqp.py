@@ -125,6 +125,19 @@ class RawAMQP:
         heartbeat: int = 0,
         channel_max: int = 0,
     ) -> None:
+        self.negotiate(user, password, frame_max, heartbeat, channel_max)
+        self.send(commands.Connection.Open(virtual_host=vhost))
+        self.expect(commands.Connection.OpenOk)
+
+    def negotiate(
+        self,
+        user: str = "guest",
+        password: str = "guest",
+        frame_max: int = 131072,
+        heartbeat: int = 0,
+        channel_max: int = 0,
+    ) -> None:
+        """Protocol header, start/start-ok, tune/tune-ok (no connection.open)."""
         self.send_raw(PROTOCOL_HEADER)
         self.start = self.expect(commands.Connection.Start)
         self.send(
@@ -153,8 +166,6 @@ class RawAMQP:
                 heartbeat=heartbeat,
             )
         )
-        self.send(commands.Connection.Open(virtual_host=vhost))
-        self.expect(commands.Connection.OpenOk)
 
     def open_channel(self, channel: int = 1) -> None:
         self.send(commands.Channel.Open(), channel)

@@ -88,7 +88,7 @@ def decode_value(data: bytes, pos: int) -> tuple[Any, int]:
             return decimal.Decimal(raw).scaleb(-scale), pos + 5
         if tag == 0x54:  # T timestamp, seconds
             (secs,) = _u64.unpack_from(data, pos)
-            return datetime.datetime.fromtimestamp(secs, tz=datetime.timezone.utc), pos + 8
+            return datetime.datetime.fromtimestamp(secs, tz=datetime.UTC), pos + 8
         if tag == 0x56:  # V void
             return None, pos
         if tag == 0x78:  # x byte array
@@ -153,11 +153,11 @@ def encode_value(value: Any) -> bytes:
     if isinstance(value, decimal.Decimal):
         sign, digits, exponent = value.as_tuple()
         scale = -int(exponent) if isinstance(exponent, int) and exponent < 0 else 0
-        raw = int(value.scaleb(scale))
-        return b"D" + _u8.pack(scale) + _i32.pack(raw)
+        unscaled = int(value.scaleb(scale))
+        return b"D" + _u8.pack(scale) + _i32.pack(unscaled)
     if isinstance(value, datetime.datetime):
         if value.tzinfo is None:
-            value = value.replace(tzinfo=datetime.timezone.utc)
+            value = value.replace(tzinfo=datetime.UTC)
         return b"T" + _u64.pack(int(value.timestamp()))
     if value is None:
         return b"V"

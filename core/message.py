@@ -28,6 +28,7 @@ class Message:
         "body",
         "timestamp",
         "_headers",
+        "wire_cache",
     )
 
     def __init__(
@@ -48,6 +49,9 @@ class Message:
         self.body = body
         self.timestamp = time.time()
         self._headers: dict[str, Any] | None = None
+        # Owned by a front end: its encoding of this message, reused when the
+        # message goes out more than once (fanout, redelivery).
+        self.wire_cache: Any = None
 
     @property
     def id(self) -> str:

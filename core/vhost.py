@@ -251,7 +251,7 @@ class VirtualHost:
     ) -> None:
         if source == "":
             raise AccessRefused(
-                f"operation not permitted on the default exchange"
+                "operation not permitted on the default exchange"
             )
         x = self.get_exchange(source)
         x.add_binding(Binding(x, destination, routing_key, arguments))

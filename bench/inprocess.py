@@ -1,0 +1,82 @@
+"""Broker CPU per message without sockets: feed the sans-IO state machines directly.
+
+``python -m bench.inprocess [--messages N] [--profile]`` publishes N 256-byte
+messages through one Connection to a queue consumed (manual acks, multiple
+every 100) on another, and prints µs per message for the broker alone. This
+is the number the hot-path work is judged by; the socket benchmarks add the
+kernel and the client on top.
+"""
+
+from __future__ import annotations
+
+import argparse
+import cProfile
+import gc
+import pstats
+import time
+
+from pamqp import commands, frame, header
+from pamqp import body as pbody
+
+from amqp_frontend.connection import Connection
+from core.broker import Broker
+
+
+def _handshake(conn: Connection) -> None:
+    conn.receive_data(b"AMQP\x00\x00\x09\x01")
+    conn.receive_data(frame.marshal(commands.Connection.StartOk(
+        client_properties={"capabilities": {"consumer_cancel_notify": True}},
+        mechanism="PLAIN", response="\0guest\0guest", locale="en_US"), 0))
+    conn.receive_data(frame.marshal(commands.Connection.TuneOk(channel_max=2047, frame_max=131072, heartbeat=0), 0))
+    conn.receive_data(frame.marshal(commands.Connection.Open(virtual_host="/"), 0))
+    conn.receive_data(frame.marshal(commands.Channel.Open(), 1))
+    conn.data_to_send()
+
+
+def run(messages: int, profile: bool) -> float:
+    broker = Broker()
+    pub, sub = Connection(broker, peer=("127.0.0.1", 1)), Connection(broker, peer=("127.0.0.1", 2))
+    _handshake(pub)
+    _handshake(sub)
+    sub.receive_data(frame.marshal(commands.Queue.Declare(queue="bench"), 1))
+    sub.receive_data(frame.marshal(commands.Basic.Qos(prefetch_count=1000), 1))
+    sub.receive_data(frame.marshal(commands.Basic.Consume(queue="bench", consumer_tag="c"), 1))
+    sub.data_to_send()
+    body = b"x" * 256
+    one = (
+        frame.marshal(commands.Basic.Publish(exchange="", routing_key="bench"), 1)
+        + frame.marshal(header.ContentHeader(0, len(body), commands.Basic.Properties()), 1)
+        + frame.marshal(pbody.ContentBody(body), 1)
+    )
+    batch = one * 100
+    tag = 0
+    gc.set_threshold(50_000, 20, 100)  # as the node does (leveret/node.py)
+    prof = cProfile.Profile() if profile else None
+    start = time.perf_counter()
+    if prof:
+        prof.enable()
+    for _ in range(messages // 100):
+        pub.receive_data(batch)
+        pub.data_to_send()
+        sub.data_to_send()
+        tag += 100
+        sub.receive_data(frame.marshal(commands.Basic.Ack(delivery_tag=tag, multiple=True), 1))
+    if prof:
+        prof.disable()
+    elapsed = time.perf_counter() - start
+    if prof:
+        pstats.Stats(prof).sort_stats("tottime").print_stats(18)
+    return elapsed / messages * 1e6
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--messages", type=int, default=200_000)
+    parser.add_argument("--profile", action="store_true")
+    args = parser.parse_args()
+    us = run(args.messages, args.profile)
+    print(f"broker cost: {us:.2f} µs/message ({1e6 / us:,.0f} msg/s on one core), publish+deliver+ack, 256 B")
+
+
+if __name__ == "__main__":
+    main()
