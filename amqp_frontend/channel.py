@@ -16,7 +16,7 @@ from pamqp import commands
 from pamqp.base import Frame as Method
 
 from amqp_frontend import codec
-from core import properties
+from core import direct_reply, properties
 from core.errors import (
     AccessRefused,
     BrokerError,
@@ -67,6 +67,11 @@ class Channel:
         self.prefetch_global = 0
         self.last_queue: str | None = None
         self._consumer_tag_raw: dict[str, bytes] = {}
+        # Transactions (tx.select): None, or what waits for tx.commit.
+        self.tx: Transaction | None = None
+        # Direct reply-to: this channel's reply address token and consumer.
+        self.reply_token: str | None = None
+        self.reply_consumer_tag: str | None = None
 
     # ------------------------------------------------------------------ sink
     def has_credit(self, consumer: Consumer) -> bool:
@@ -190,10 +195,13 @@ class Channel:
         body: bytes,
     ) -> None:
         conn = self.conn
+        conn.has_published = True
         if summary.user_id is not None and summary.user_id != conn.username:
             raise PreconditionFailed(
                 f"user_id property set to '{summary.user_id}' but authenticated user was '{conn.username}'"
             )
+        if summary.expiration is not None:
+            _check_expiration(summary.expiration)
         vhost = self.vhost
         assert vhost is not None
         exchange: Exchange | None
@@ -207,74 +215,136 @@ class Channel:
                 raise AccessRefused(
                     f"cannot publish to internal exchange '{exchange_name}' in vhost '{vhost.name}'"
                 )
+        if summary.reply_to_direct:
+            props = self._direct_reply_props(props)
         message = Message(exchange_name, routing_key, props, body, summary, conn.node_id)
+        if self.tx is not None:
+            self.tx.publishes.append((exchange, message, mandatory))
+            return
+        self._deliver_published(exchange, message, mandatory)
+
+    def _deliver_published(self, exchange: Exchange | None, message: Message, mandatory: bool) -> None:
+        vhost = self.vhost
+        assert vhost is not None
+        routing_key = message.routing_key
+        accepted = True
+        routed = True
         if exchange is None:
             # The default exchange: the routing key names the queue.
             q = vhost.queues.get(routing_key)
-            queues = [q] if q is not None else []
+            if q is not None:
+                accepted = q.enqueue(message)
+            elif routing_key.startswith(direct_reply.PREFIX):
+                routed = self.conn.broker.reply_to.deliver(routing_key, message)
+            else:
+                routed = False
         else:
             queues = vhost.route(exchange, message)
-        if self.confirm:
-            self.publish_seq += 1
-        if queues:
+            routed = bool(queues)
             for q in queues:
-                q.enqueue(message)
-        elif mandatory:
-            conn.send_method(
+                if not q.enqueue(message):
+                    accepted = False
+        if not routed and mandatory:
+            self.conn.send_method(
                 self.number,
                 commands.Basic.Return(
-                    reply_code=NO_ROUTE, reply_text="NO_ROUTE", exchange=exchange_name, routing_key=routing_key
+                    reply_code=NO_ROUTE, reply_text="NO_ROUTE", exchange=message.exchange, routing_key=routing_key
                 ),
             )
-            conn.write_content(self.number, message.props, body)
+            self.conn.write_content(self.number, message.props, message.body)
         if self.confirm:
-            conn.confirm_pending(self)
+            self.publish_seq += 1
+            if accepted:
+                self.conn.confirm_pending(self)
+            else:
+                # x-overflow reject-publish: nack this one, after acking all before it.
+                self.flush_confirms(upto=self.publish_seq - 1)
+                self.conn.write(
+                    codec.encode_method(self.number, commands.Basic.Nack(delivery_tag=self.publish_seq))
+                )
+                self.confirmed_upto = self.publish_seq
 
-    def flush_confirms(self) -> None:
+    def flush_confirms(self, upto: int | None = None) -> None:
         """Send one (multiple) ack for every publish confirmed since the last one."""
-        upto = self.publish_seq
+        if upto is None:
+            upto = self.publish_seq
         if upto > self.confirmed_upto and not self.closing:
             multiple = upto - self.confirmed_upto > 1
             self.confirmed_upto = upto
             self.conn.write(_basic_ack_frame(self.number, upto, multiple))
 
+    # ------------------------------------------------------- direct reply-to
+    def _direct_reply_props(self, props: bytes) -> bytes:
+        if self.reply_token is None:
+            raise PreconditionFailed("fast reply consumer does not exist")
+        decoded = properties.decode(props)
+        decoded["reply_to"] = direct_reply.PREFIX + self.reply_token
+        return properties.encode(decoded)
+
+    def deliver_reply(self, message: Message) -> None:
+        """A reply published to this channel's amq.rabbitmq.reply-to address."""
+        if self.closing or self.reply_consumer_tag is None:
+            return
+        tag = self.next_tag
+        self.next_tag = tag + 1
+        route_raw, content = self._wire(message)
+        self.conn.write(
+            codec.delivery(self.number, codec.shortstr(self.reply_consumer_tag), tag, False, route_raw, content)
+        )
+
     # ----------------------------------------------------------------- acks
     def _take(self, tag: int, multiple: bool) -> list[Unacked]:
+        return [entry for _, entry in self._take_tagged(tag, multiple)]
+
+    def _take_tagged(self, tag: int, multiple: bool) -> list[tuple[int, Unacked]]:
+        """Remove and return the deliveries an ack/nack/reject names (406 for an unknown tag)."""
         unacked = self.unacked
         if multiple and tag == 0:
-            taken = list(unacked.values())
+            taken = list(unacked.items())
             unacked.clear()
             return taken
         if tag not in unacked:
             raise PreconditionFailed(f"unknown delivery tag {tag}")
         if not multiple:
-            return [unacked.pop(tag)]
+            return [(tag, unacked.pop(tag))]
         taken = []
         while unacked:
             first = next(iter(unacked))
             if first > tag:
                 break
-            taken.append(unacked.popitem(last=False)[1])
+            taken.append(unacked.popitem(last=False))
         return taken
 
     def ack(self, tag: int, multiple: bool) -> None:
+        if self.tx is not None:
+            self.tx.settlements.append((self._take_tagged(tag, multiple), "ack"))
+            return
         if not multiple:
             entry = self.unacked.pop(tag, None)
             if entry is None:
                 raise PreconditionFailed(f"unknown delivery tag {tag}")
             qm, consumer, qch = entry
             qch.settle(qm, consumer)
+            if self.prefetch_global:
+                self.resume()  # channel-wide credit: any of its consumers may go on
             qch.dispatch()
             return
+        self._settle_entries(self._take(tag, multiple))
+
+    def reject(self, tag: int, multiple: bool, requeue: bool) -> None:
+        if self.tx is not None:
+            self.tx.settlements.append((self._take_tagged(tag, multiple), "requeue" if requeue else "discard"))
+            return
+        self._return_entries(self._take(tag, multiple), requeue)
+
+    def _settle_entries(self, entries: list[Unacked]) -> None:
         touched: dict[int, QueueChannel] = {}
-        for qm, consumer, qch in self._take(tag, multiple):
+        for qm, consumer, qch in entries:
             qch.settle(qm, consumer)
             touched[id(qch)] = qch
         self._dispatch(touched.values())
-
-    def reject(self, tag: int, multiple: bool, requeue: bool) -> None:
-        entries = self._take(tag, multiple)
-        self._return_entries(entries, requeue)
+        if self.prefetch_global:
+            self.resume()
 
     def _return_entries(self, entries: list[Unacked], requeue: bool) -> None:
         groups: dict[int, tuple[QueueChannel, list[tuple[QueuedMessage, Consumer | None]]]] = {}
@@ -284,9 +354,9 @@ class Channel:
             if requeue:
                 qch.requeue(items)
             else:
-                for qm, consumer in items:
-                    qch.settle(qm, consumer)
-                qch.dispatch()
+                qch.discard(items)
+        if self.prefetch_global and not self.closing:
+            self.resume()
 
     @staticmethod
     def _dispatch(qchannels: Any) -> None:
@@ -305,6 +375,11 @@ class Channel:
         """Channel is closing: cancel its consumers and requeue what it holds unacked."""
         self.closing = True
         self.publishing = None
+        if self.tx is not None:
+            self.tx.rollback(self)
+        if self.reply_token is not None:
+            self.conn.broker.reply_to.unregister(self.reply_token)
+            self.reply_token = self.reply_consumer_tag = None
         for consumer in list(self.consumers.values()):
             consumer.channel.remove_consumer(consumer)
         self.consumers.clear()
@@ -432,15 +507,24 @@ class Channel:
         if m.global_:
             self.prefetch_global = m.prefetch_count
         else:
+            # RabbitMQ 3.x (measured with 3.10.8, compat_tests/test_basic.py): a
+            # per-consumer qos after a global one lifts the channel-wide limit.
             self.prefetch_per_consumer = m.prefetch_count
+            self.prefetch_global = 0
         self._reply(commands.Basic.QosOk())
         self.resume()
 
     def _basic_consume(self, m: commands.Basic.Consume) -> None:
-        q = self._get_queue(m.queue)
         tag = m.consumer_tag or "amq.ctag-" + base64.urlsafe_b64encode(os.urandom(16)).decode().rstrip("=")
-        if tag in self.consumers:
+        if tag in self.consumers or tag == self.reply_consumer_tag:
             raise NotAllowed(f"attempt to reuse consumer tag '{tag}'")
+        if m.queue == direct_reply.PSEUDO_QUEUE:
+            self._consume_replies(tag, m)
+            return
+        q = self._get_queue(m.queue)
+        priority = (m.arguments or {}).get("x-priority", 0)
+        if isinstance(priority, bool) or not isinstance(priority, int):
+            raise PreconditionFailed(f"invalid arg 'x-priority': expected an integer, got {priority!r}")
         consumer = Consumer(
             tag,
             q.default,
@@ -449,6 +533,7 @@ class Channel:
             exclusive=m.exclusive,
             arguments=m.arguments,
             prefetch=self.prefetch_per_consumer,
+            priority=priority,
         )
         q.default.add_consumer(consumer, dispatch=False)
         self.consumers[tag] = consumer
@@ -457,8 +542,21 @@ class Channel:
             self._reply(commands.Basic.ConsumeOk(consumer_tag=tag))
         q.default.dispatch()
 
+    def _consume_replies(self, tag: str, m: commands.Basic.Consume) -> None:
+        if not m.no_ack:
+            raise PreconditionFailed("reply consumer cannot acknowledge")
+        if self.reply_token is not None:
+            raise PreconditionFailed("reply consumer already set")
+        self.reply_token = self.conn.broker.reply_to.register(self.deliver_reply)
+        self.reply_consumer_tag = tag
+        if not m.nowait:
+            self._reply(commands.Basic.ConsumeOk(consumer_tag=tag))
+
     def _basic_cancel(self, m: commands.Basic.Cancel) -> None:
         tag = m.consumer_tag or ""
+        if tag == self.reply_consumer_tag and self.reply_token is not None:
+            self.conn.broker.reply_to.unregister(self.reply_token)
+            self.reply_token = self.reply_consumer_tag = None
         consumer = self.consumers.pop(tag, None)
         if consumer is not None:
             self._consumer_tag_raw.pop(tag, None)
@@ -468,6 +566,7 @@ class Channel:
 
     def _basic_get(self, m: commands.Basic.Get) -> None:
         q = self._get_queue(m.queue)
+        q.touch()
         qch = q.default
         qm = qch.get(m.no_ack)
         if qm is None:
@@ -509,12 +608,63 @@ class Channel:
 
     # confirm / tx
     def _confirm_select(self, m: commands.Confirm.Select) -> None:
+        if self.tx is not None:
+            raise PreconditionFailed("cannot switch from tx to confirm mode")
         self.confirm = True
         if not m.nowait:
             self._reply(commands.Confirm.SelectOk())
 
     def _tx_select(self, m: commands.Tx.Select) -> None:
-        raise NotImplementedFeature("transactions (tx.select) are not supported by this node yet")
+        if self.confirm:
+            raise PreconditionFailed("cannot switch from confirm to tx mode")
+        if self.tx is None:
+            self.tx = Transaction()
+        self._reply(commands.Tx.SelectOk())
+
+    def _tx_commit(self, m: commands.Tx.Commit) -> None:
+        if self.tx is None:
+            raise PreconditionFailed("channel is not transactional")
+        tx, self.tx = self.tx, Transaction()
+        for exchange, message, mandatory in tx.publishes:
+            self._deliver_published(exchange, message, mandatory)
+        for tagged, outcome in tx.settlements:
+            entries = [entry for _, entry in tagged]
+            if outcome == "ack":
+                self._settle_entries(entries)
+            else:
+                self._return_entries(entries, requeue=outcome == "requeue")
+        self._reply(commands.Tx.CommitOk())
+
+    def _tx_rollback(self, m: commands.Tx.Rollback) -> None:
+        if self.tx is None:
+            raise PreconditionFailed("channel is not transactional")
+        self.tx.rollback(self)
+        self.tx = Transaction()
+        self._reply(commands.Tx.RollbackOk())
+
+
+class Transaction:
+    """What a tx channel published and settled since its last commit or rollback."""
+
+    def __init__(self) -> None:
+        self.publishes: list[tuple[Exchange | None, Message, bool]] = []
+        self.settlements: list[tuple[list[tuple[int, Unacked]], str]] = []
+
+    def rollback(self, channel: Channel) -> None:
+        """Forget the publishes; the settled deliveries become unacked again, in tag order."""
+        self.publishes.clear()
+        restored = [item for tagged, _ in self.settlements for item in tagged]
+        self.settlements.clear()
+        if restored:
+            merged = sorted(list(channel.unacked.items()) + restored, key=lambda kv: kv[0])
+            channel.unacked.clear()
+            channel.unacked.update(merged)
+
+
+def _check_expiration(expiration: str) -> None:
+    """Per-message TTL must be a non-negative integer of milliseconds, as in RabbitMQ."""
+    if not expiration.isdigit():
+        raise PreconditionFailed(f"invalid expiration '{expiration}': {{error,no_integer}}")
 
 
 def _basic_ack_frame(channel: int, tag: int, multiple: bool) -> bytes:
@@ -543,6 +693,8 @@ _HANDLERS: dict[type, Any] = {
     commands.Basic.RecoverAsync: Channel._basic_recover_async,
     commands.Confirm.Select: Channel._confirm_select,
     commands.Tx.Select: Channel._tx_select,
+    commands.Tx.Commit: Channel._tx_commit,
+    commands.Tx.Rollback: Channel._tx_rollback,
 }
 
 __all__ = ["Channel", "BrokerError"]

@@ -76,11 +76,11 @@ CAPABILITIES = {
     "exchange_exchange_bindings": True,
     "basic.nack": True,
     "consumer_cancel_notify": True,
-    "connection.blocked": False,
-    "consumer_priorities": False,
+    "connection.blocked": True,
+    "consumer_priorities": True,
     "authentication_failure_close": True,
     "per_consumer_qos": True,
-    "direct_reply_to": False,
+    "direct_reply_to": True,
 }
 
 
@@ -110,7 +110,10 @@ class Connection:
         self.channel_max = self.settings.channel_max
         self.frame_max = self.settings.frame_max
         self.heartbeat = 0
+        # Tests drive time by passing ``now``; then every internal stamp uses it too.
+        self._manual_clock = now is not None
         t = time.monotonic() if now is None else now
+        self._now = t
         self.opened_at = t
         self.last_received = t
         self.last_sent = t
@@ -122,6 +125,8 @@ class Connection:
         self.on_output: Callable[[], None] = _noop
         self._output_signalled = False
         self.close_reason = ""
+        self.has_published = False
+        self.blocked = False  # reading paused by the memory alarm
 
     # ------------------------------------------------------------ output
     @property
@@ -150,7 +155,7 @@ class Connection:
         data = b"".join(self._out) if len(self._out) > 1 else self._out[0]
         self._out = []
         self.out_bytes = 0
-        self.last_sent = time.monotonic()
+        self.last_sent = self._now if self._manual_clock else time.monotonic()
         return data
 
     def set_transport_paused(self, paused: bool) -> None:
@@ -187,7 +192,11 @@ class Connection:
     def receive_data(self, data: bytes, now: float | None = None) -> None:
         if self.state is State.CLOSED or self.should_close:
             return
-        self.last_received = time.monotonic() if now is None else now
+        if now is not None:
+            self._now = now
+        elif not self._manual_clock:
+            self._now = time.monotonic()
+        self.last_received = self._now
         self._in_receive = True
         try:
             self._buf += data
@@ -237,6 +246,11 @@ class Connection:
                 pos = end + 1
                 self._frame(ftype, channel, payload)
                 frame_max = self.frame_max
+        except FrameError:
+            # Framing is lost: nothing after this point can be parsed, so drop it
+            # all; the next bytes should be the client's close-ok to our close.
+            pos = len(buf)
+            raise
         finally:
             del buf[:pos]
 
@@ -256,11 +270,12 @@ class Connection:
         unpack = codec.frame_head.unpack_from
         htype, hch, hsize = unpack(buf, hpos)
         hend = hpos + 7 + hsize
+        frame_max = self.frame_max
         if htype != 2 or hch != number or hsize < 14 or hend >= n or buf[hend] != codec.FRAME_END:
             return 0
         class_id, _weight, body_size = codec.header_payload.unpack_from(buf, hpos + 7)
-        if class_id != 60:
-            return 0
+        if class_id != 60 or hsize + 8 > frame_max or body_size > self.settings.max_message_size:
+            return 0  # the general path reports these
         if body_size == 0:
             body = b""
             after = hend + 1
@@ -270,7 +285,8 @@ class Connection:
                 return 0
             btype, bch, bsize = unpack(buf, bpos)
             bend = bpos + 7 + bsize
-            if btype != 3 or bch != number or bsize != body_size or bend >= n or buf[bend] != codec.FRAME_END:
+            if (btype != 3 or bch != number or bsize != body_size or bend >= n or buf[bend] != codec.FRAME_END
+                    or bsize + 8 > frame_max):
                 return 0
             body = bytes(buf[bpos + 7 : bend])
             after = bend + 1
@@ -387,6 +403,14 @@ class Connection:
 
     def _channel_method(self, number: int, ch: Channel | None, payload: bytes) -> None:
         method = self._decode(payload)
+        try:
+            self._channel_method_decoded(number, ch, method)
+        except BrokerError as exc:
+            if not hasattr(exc, "class_id"):
+                exc.class_id, exc.method_id = method.index >> 16, method.index & 0xFFFF  # type: ignore[attr-defined]
+            raise
+
+    def _channel_method_decoded(self, number: int, ch: Channel | None, method: Method) -> None:
         class_id, method_id = method.index >> 16, method.index & 0xFFFF
         if isinstance(method, commands.Channel.Open):
             if ch is not None:
@@ -465,6 +489,14 @@ class Connection:
 
     def _connection_method(self, payload: bytes) -> None:
         method = self._decode(payload)
+        try:
+            self._connection_method_decoded(method)
+        except BrokerError as exc:
+            if not hasattr(exc, "class_id"):
+                exc.class_id, exc.method_id = method.index >> 16, method.index & 0xFFFF  # type: ignore[attr-defined]
+            raise
+
+    def _connection_method_decoded(self, method: Method) -> None:
         state = self.state
         if isinstance(method, commands.Connection.Close):
             self.send_method(0, commands.Connection.CloseOk())
@@ -559,7 +591,7 @@ class Connection:
             ),
         )
         self.state = State.CLOSING
-        self.closing_since = time.monotonic()
+        self.closing_since = self._now if self._manual_clock else time.monotonic()
         self.close_reason = exc.reply_text
         if self.vhost is None:
             # Before open (bad login, failed tune): nothing to wait for.
@@ -576,7 +608,7 @@ class Connection:
             ch.release()
         self.send_method(0, commands.Connection.Close(reply_code=code, reply_text=text, class_id=0, method_id=0))
         self.state = State.CLOSING
-        self.closing_since = time.monotonic()
+        self.closing_since = self._now if self._manual_clock else time.monotonic()
 
     def _closed(self, reason: str) -> None:
         self.state = State.CLOSED
@@ -597,6 +629,7 @@ class Connection:
     # ------------------------------------------------------------- timers
     def tick(self, now: float) -> None:
         """Heartbeats and time-outs; the I/O layer calls this every second or so."""
+        self._now = now
         if self.state is State.CLOSED:
             return
         if self.state in (State.AWAIT_HEADER, State.AWAIT_START_OK, State.AWAIT_TUNE_OK, State.AWAIT_OPEN):

@@ -6,6 +6,8 @@ import asyncio
 import logging
 import time
 
+from pamqp import commands
+
 from amqp_frontend.connection import Connection, ServerSettings, State
 from core.broker import Broker
 
@@ -34,6 +36,29 @@ class AMQPProtocol(asyncio.Protocol):
         conn = self.conn
         assert conn is not None
         conn.receive_data(data)
+        if self.server.broker.memory_alarm and conn.has_published and not conn.blocked:
+            self.block()
+        self._flush()
+
+    def block(self) -> None:
+        """Memory alarm: stop reading from this publisher (RabbitMQ's connection.blocked)."""
+        conn, transport = self.conn, self.transport
+        if conn is None or transport is None or conn.blocked:
+            return
+        conn.blocked = True
+        if conn.client_capability("connection.blocked"):
+            conn.send_method(0, commands.Connection.Blocked(reason="low on memory"))
+        transport.pause_reading()
+        self._flush()
+
+    def unblock(self) -> None:
+        conn, transport = self.conn, self.transport
+        if conn is None or transport is None or not conn.blocked:
+            return
+        conn.blocked = False
+        if conn.client_capability("connection.blocked"):
+            conn.send_method(0, commands.Connection.Unblocked())
+        transport.resume_reading()
         self._flush()
 
     def _schedule_flush(self) -> None:
@@ -96,6 +121,17 @@ class AMQPServer:
         )
         self._ticker = asyncio.create_task(self._tick_forever())
         log.info("amqp listening", extra={"host": host, "port": port})
+
+    def set_memory_alarm(self, active: bool) -> None:
+        if active == self.broker.memory_alarm:
+            return
+        self.broker.memory_alarm = active
+        log.warning("memory alarm " + ("set: blocking publishers" if active else "cleared: unblocking publishers"))
+        for proto in list(self.connections):
+            if active and proto.conn is not None and proto.conn.has_published:
+                proto.block()
+            elif not active:
+                proto.unblock()
 
     @property
     def port(self) -> int:

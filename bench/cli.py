@@ -52,7 +52,7 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(str(exc))
     if args.duration <= 0 or args.warmup < 0:
         parser.error("--duration must be > 0 and --warmup >= 0")
-    scenarios: list[str] = args.scenario or list(SCENARIOS)
+    scenarios: list[str] = list(dict.fromkeys(args.scenario or SCENARIOS))  # keep order, drop repeats
     opts = RunOptions(duration=args.duration, warmup=args.warmup, idle_connections=args.idle_connections)
     outcomes = run_all(scenarios, targets, opts)
     print(render_table(scenarios, targets, outcomes, opts))

@@ -47,6 +47,10 @@ class Connection(asyncio.Protocol):
         self.ack_every = 0
         self.ack_channel = 1
         self.on_bodies: BodiesCallback | None = None
+        # Throughput consumers read at most once per this many seconds: a consumer that
+        # reads every few messages spends ~40% more CPU in syscalls, CPU the broker
+        # needs on a shared 2-core box.  0 reads as soon as data arrives (latency).
+        self.read_interval = 0.0
         self.unsolicited: list[tuple[int, Frame]] = []
         self._acked = 0
         self._closing = False
@@ -134,6 +138,10 @@ class Connection(asyncio.Protocol):
         if not self._lost.done():
             self._lost.set_result(None)
 
+    def _resume_reading(self) -> None:
+        if self.transport is not None and not self.transport.is_closing():
+            self.transport.resume_reading()
+
     def pause_writing(self) -> None:
         self._paused = True
 
@@ -144,6 +152,9 @@ class Connection(asyncio.Protocol):
 
     def data_received(self, data: bytes) -> None:
         recv_ns = time.perf_counter_ns()
+        if self.read_interval and self.transport is not None:
+            self.transport.pause_reading()
+            asyncio.get_running_loop().call_later(self.read_interval, self._resume_reading)
         scanner = self.scanner
         try:
             slow = scanner.feed(data)

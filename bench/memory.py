@@ -31,17 +31,25 @@ def _children_map() -> dict[int, list[int]]:
     return children
 
 
-def tree_rss_kb(pid: int) -> int:
-    """RSS of ``pid`` and all its descendants (RabbitMQ's beam.smp runs erl_child_setup etc.)."""
+def descendants(pid: int) -> list[int]:
+    """``pid`` followed by all its descendants."""
     children = _children_map()
-    total, stack = 0, [pid]
+    out, stack = [], [pid]
     while stack:
         current = stack.pop()
+        out.append(current)
+        stack.extend(children.get(current, []))
+    return out
+
+
+def tree_rss_kb(pid: int) -> int:
+    """RSS of ``pid`` and all its descendants (RabbitMQ's beam.smp runs erl_child_setup etc.)."""
+    total = 0
+    for p in descendants(pid):
         try:
-            total += rss_kb(current)
+            total += rss_kb(p)
         except OSError:
             continue
-        stack.extend(children.get(current, []))
     return total
 
 

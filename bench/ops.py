@@ -39,10 +39,10 @@ async def qos(conn: Connection, channel: int, prefetch: int) -> None:
 
 
 async def consume(conn: Connection, channel: int, queue: str, *, ack_every: int) -> None:
-    """Start a manual-ack consumer; the connection acks with multiple=true every ``ack_every``."""
+    """Start a consumer; the connection acks with multiple=true every ``ack_every`` (0: no-ack mode)."""
     conn.ack_every = ack_every
     conn.ack_channel = channel
-    await conn.rpc(channel, commands.Basic.Consume(queue=queue, consumer_tag=f"bench-{queue}"))
+    await conn.rpc(channel, commands.Basic.Consume(queue=queue, consumer_tag=f"bench-{queue}", no_ack=ack_every == 0))
 
 
 async def confirm_select(conn: Connection, channel: int) -> None:

@@ -88,7 +88,27 @@ def render_table(scenarios: list[str], targets: list[Target], outcomes: Outcomes
     ]
     if problems or cleanup:
         lines += ["", "not measured / problems:", *problems, *cleanup]
+    cpu_lines = [_cpu_line(scenario, name, cpu) for (scenario, name), o in outcomes.items()
+                 if isinstance(cpu := o.notes.get("cpu"), dict)]
+    if cpu_lines:
+        lines += ["", f"CPU use in the measured window (CPUs busy, of {os.cpu_count()}):", *cpu_lines]
     return "\n".join(lines)
+
+
+# Above this many CPUs used by unrelated processes, a figure is not trustworthy.
+NOISY_OTHER_CPU = 0.15
+
+
+def _cpu_line(scenario: str, broker: str, cpu: dict[str, float | None]) -> str:
+    def show(v: float | None) -> str:
+        return "?" if v is None else f"{v:.2f}"
+
+    line = f"  {scenario} on {broker}: broker {show(cpu['broker'])}, client {show(cpu['client'])}, " \
+           f"other {show(cpu['other'])}"
+    other = cpu.get("other")
+    if other is not None and other > NOISY_OTHER_CPU:
+        line += "  <- other processes were busy: figure unreliable, rerun"
+    return line
 
 
 def to_json(scenarios: list[str], targets: list[Target], outcomes: Outcomes, opts: RunOptions) -> dict[str, Any]:

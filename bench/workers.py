@@ -50,7 +50,8 @@ class ConsumeSpec:
     queues: tuple[str, ...]
     first_counter: int  # this process owns counters[first_counter : first_counter + len(queues)]
     prefetch: int
-    ack_every: int
+    ack_every: int  # 0: no-ack consumer
+    read_interval: float = 0.001  # see Connection.read_interval
 
 
 Counters = Any  # multiprocessing RawArray('q'); untyped in typeshed
@@ -147,6 +148,7 @@ async def _consume(spec: ConsumeSpec, counters: Counters, pipe: Pipe) -> dict[st
         for queue in spec.queues:
             conn = await Connection.open(spec.url)
             conns.append(conn)
+            conn.read_interval = spec.read_interval
             ch = await open_channel(conn)
             await qos(conn, ch, spec.prefetch)
             await consume(conn, ch, queue, ack_every=spec.ack_every)

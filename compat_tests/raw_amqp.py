@@ -83,6 +83,25 @@ class RawAMQP:
                 raise ConnectionClosedError("peer closed the connection")
             self.buffer += chunk
 
+    def read_frame_bytes(self, timeout: float = 5.0) -> tuple[int, int, bytes]:
+        """Read one frame undecoded: (frame type, channel, payload)."""
+        deadline = time.monotonic() + timeout
+        while True:
+            if len(self.buffer) >= 7:
+                frame_type, channel, size = struct.unpack(">BHI", self.buffer[:7])
+                if len(self.buffer) >= size + 8:
+                    payload = self.buffer[7 : 7 + size]
+                    self.buffer = self.buffer[size + 8 :]
+                    return frame_type, channel, payload
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                raise TimeoutError("no complete frame received in time")
+            self.sock.settimeout(remaining)
+            chunk = self.sock.recv(65536)
+            if not chunk:
+                raise ConnectionClosedError("peer closed the connection")
+            self.buffer += chunk
+
     def expect(self, kind: type[Any], timeout: float = 5.0, skip_heartbeats: bool = True) -> Any:
         """Read frames until one is returned; it must be of type ``kind``."""
         while True:

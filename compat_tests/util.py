@@ -19,6 +19,7 @@ __all__ = [
     "channel_error",
     "connection_error",
     "drain",
+    "run_ioloop",
     "sync",
     "unique_name",
     "wait_until",
@@ -67,6 +68,24 @@ def drain(conn: pika.BlockingConnection, seconds: float) -> None:
         if remaining <= 0:
             return
         conn.process_data_events(time_limit=min(remaining, 0.1))
+
+
+def run_ioloop(conn: pika.SelectConnection, timeout: float) -> None:
+    """Run a SelectConnection's ioloop until it is stopped or ``timeout``.
+
+    Makes sure the connection is closed and the ioloop (and its internal
+    wake-up socket pair) is released afterwards.
+    """
+    conn.ioloop.call_later(timeout, conn.ioloop.stop)
+    try:
+        conn.ioloop.start()
+        if not (conn.is_closed or conn.is_closing):
+            conn.close()
+        if not conn.is_closed:
+            conn.ioloop.call_later(5, conn.ioloop.stop)
+            conn.ioloop.start()
+    finally:
+        conn.ioloop.close()
 
 
 def wait_until(

@@ -8,6 +8,8 @@ import ipaddress
 import os
 from dataclasses import dataclass, field
 
+from core.clock import AsyncioScheduler, Scheduler
+from core.direct_reply import ReplyRegistry
 from core.errors import AccessRefused, NotAllowed
 from core.vhost import VirtualHost
 
@@ -46,10 +48,19 @@ def is_loopback(address: str | None) -> bool:
 class Broker:
     """Everything one node serves: vhosts (with their topology) and users."""
 
-    def __init__(self, node_id: str = "leveret", default_user: tuple[str, str] | None = ("guest", "guest")) -> None:
+    def __init__(
+        self,
+        node_id: str = "leveret",
+        default_user: tuple[str, str] | None = ("guest", "guest"),
+        scheduler: Scheduler | None = None,
+    ) -> None:
         self.node_id = node_id
+        self.scheduler: Scheduler = scheduler or AsyncioScheduler()
         self.vhosts: dict[str, VirtualHost] = {}
         self.users: dict[str, User] = {}
+        self.reply_to = ReplyRegistry()
+        # Set by the node's memory monitor; the front ends stop reading from publishers.
+        self.memory_alarm = False
         self.add_vhost("/")
         if default_user is not None:
             name, password = default_user
@@ -59,7 +70,7 @@ class Broker:
     def add_vhost(self, name: str) -> VirtualHost:
         vh = self.vhosts.get(name)
         if vh is None:
-            vh = self.vhosts[name] = VirtualHost(name)
+            vh = self.vhosts[name] = VirtualHost(name, self.scheduler)
         return vh
 
     def add_user(

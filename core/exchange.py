@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import bisect
+import hashlib
 from typing import TYPE_CHECKING, Any, Union
 
+from core import properties
 from core.errors import CommandInvalid, PreconditionFailed
 from core.topic import topic_matches
 
@@ -13,7 +16,6 @@ if TYPE_CHECKING:
 
 Destination = Union["Queue", "Exchange"]
 
-EXCHANGE_TYPES = ("direct", "fanout", "topic", "headers")
 
 
 def _freeze(value: Any) -> Any:
@@ -155,17 +157,27 @@ class TopicExchange(Exchange):
         return result
 
 
+def _same_value(wanted: Any, got: Any) -> bool:
+    """Header equality as RabbitMQ sees it: a void binding value matches any value,
+    and booleans never equal numbers (Python's True == 1 does not apply)."""
+    if wanted is None:
+        return True
+    if isinstance(wanted, bool) != isinstance(got, bool):
+        return False
+    return bool(wanted == got)
+
+
 def _headers_match(args: dict[str, Any], headers: dict[str, Any]) -> bool:
     mode = args.get("x-match", "all")
     if isinstance(mode, bytes):
         mode = mode.decode()
-    wanted = [(k, v) for k, v in args.items() if not k.startswith("x-")]
-    if mode in ("any", "any-with-x"):
-        if not wanted:
-            return False
-        return any(k in headers and (v is None or headers[k] == v) for k, v in wanted)
-    # all: every non-x- argument present (a void value means "present, any value").
-    return all(k in headers and (v is None or headers[k] == v) for k, v in wanted)
+    with_x = mode.endswith("-with-x")
+    # x- arguments are binding options, except in the -with-x modes (RabbitMQ 3.10+),
+    # where everything but x-match itself is matched.
+    wanted = [(k, v) for k, v in args.items() if k != "x-match" and (with_x or not k.startswith("x-"))]
+    if mode.startswith("any"):
+        return any(k in headers and _same_value(v, headers[k]) for k, v in wanted)
+    return all(k in headers and _same_value(v, headers[k]) for k, v in wanted)
 
 
 class HeadersExchange(Exchange):
@@ -190,11 +202,81 @@ class HeadersExchange(Exchange):
         return out
 
 
+def _ring_hash(data: bytes) -> int:
+    return int.from_bytes(hashlib.blake2b(data, digest_size=8).digest(), "big")
+
+
+class ConsistentHashExchange(Exchange):
+    """``x-consistent-hash``: spreads routing keys over bound queues by weight.
+
+    Each binding's routing key is its weight: that many points on a hash ring.
+    A message goes to the owner of the first point at or after the hash of its
+    routing key (or of the header / property named by the exchange's
+    ``hash-header`` / ``hash-property`` argument), so one key always lands on
+    the same queue while the bindings stay the same.
+    """
+
+    type = "x-consistent-hash"
+    _PROPERTIES = ("message_id", "correlation_id", "timestamp")
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        self._ring: list[int] = []
+        self._owners: list[Destination] = []
+        super().__init__(*args, **kwargs)
+        hp = self.arguments.get("hash-property")
+        if hp is not None and hp not in self._PROPERTIES:
+            raise PreconditionFailed(
+                f"invalid hash-property {hp!r} for exchange '{self.name}'; use one of {', '.join(self._PROPERTIES)}"
+            )
+
+    def add_binding(self, binding: Binding) -> bool:
+        try:
+            weight = int(binding.routing_key or "0")
+        except ValueError:
+            weight = -1
+        if weight <= 0:
+            raise PreconditionFailed(
+                f"binding key of a consistent-hash exchange is a positive weight, got '{binding.routing_key}'"
+            )
+        return super().add_binding(binding)
+
+    def _rebuild(self) -> None:
+        points: list[tuple[int, str, Destination]] = []
+        for b in self.bindings.values():
+            for i in range(int(b.routing_key)):
+                points.append((_ring_hash(f"{b.key[0]}:{b.destination.name}:{i}".encode()), b.destination.name,
+                               b.destination))
+        points.sort(key=lambda p: (p[0], p[1]))
+        self._ring = [p[0] for p in points]
+        self._owners = [p[2] for p in points]
+
+    def _hash_input(self, routing_key: str, message: Message) -> bytes | None:
+        header = self.arguments.get("hash-header")
+        if header is not None:
+            value = message.headers.get(header)
+            return None if value is None else str(value).encode()
+        prop = self.arguments.get("hash-property")
+        if prop is not None:
+            value = properties.decode(message.props).get(prop)
+            return None if value is None else str(value).encode()
+        return routing_key.encode()
+
+    def route(self, routing_key: str, message: Message) -> tuple[Destination, ...]:
+        if not self._ring:
+            return ()
+        data = self._hash_input(routing_key, message)
+        if data is None:
+            return ()
+        i = bisect.bisect_left(self._ring, _ring_hash(data))
+        return (self._owners[i % len(self._owners)],)
+
+
 _TYPES: dict[str, type[Exchange]] = {
     "direct": DirectExchange,
     "fanout": FanoutExchange,
     "topic": TopicExchange,
     "headers": HeadersExchange,
+    "x-consistent-hash": ConsistentHashExchange,
 }
 
 

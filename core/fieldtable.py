@@ -132,6 +132,15 @@ def _encode_int(value: int) -> bytes:
 
 
 def encode_value(value: Any) -> bytes:
+    try:
+        return _encode_value(value)
+    except (struct.error, ValueError, OverflowError, decimal.InvalidOperation) as exc:
+        if isinstance(exc, FieldTableError):
+            raise
+        raise FieldTableError(f"cannot encode {value!r} in a field table: {exc}") from exc
+
+
+def _encode_value(value: Any) -> bytes:
     if isinstance(value, bool):
         return b"t" + (b"\x01" if value else b"\x00")
     if isinstance(value, int):

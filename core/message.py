@@ -76,10 +76,17 @@ class Message:
 class QueuedMessage:
     """One message in one queue: its offset there, and how often it went out."""
 
-    __slots__ = ("message", "offset", "redelivered", "delivery_count")
+    __slots__ = ("message", "offset", "redelivered", "delivery_count", "expires_at")
 
     def __init__(self, message: Message, offset: int) -> None:
         self.message = message
         self.offset = offset
         self.redelivered = False
         self.delivery_count = 0
+        self.expires_at: float | None = None  # wall-clock seconds; None never expires
+
+    def copy(self) -> QueuedMessage:
+        """The same message at the same offset, for another channel of the queue."""
+        other = QueuedMessage(self.message, self.offset)
+        other.expires_at = self.expires_at
+        return other

@@ -45,7 +45,7 @@ class PropertiesError(ValueError):
 class PropertySummary:
     """What the broker itself needs from a message's properties."""
 
-    __slots__ = ("delivery_mode", "priority", "expiration", "user_id", "headers_at")
+    __slots__ = ("delivery_mode", "priority", "expiration", "user_id", "headers_at", "reply_to_direct")
 
     def __init__(self) -> None:
         self.delivery_mode = 0
@@ -54,6 +54,8 @@ class PropertySummary:
         self.user_id: str | None = None
         # Offset of the headers table in the raw bytes, decoded only on demand.
         self.headers_at = -1
+        # reply_to is amq.rabbitmq.reply-to: the front end rewrites it (direct reply-to).
+        self.reply_to_direct = False
 
 
 _NO_PROPERTIES = PropertySummary()
@@ -83,6 +85,8 @@ def scan(raw: bytes) -> PropertySummary:
                     out.expiration = raw[pos + 1 : pos + 1 + n].decode("utf-8", "replace")
                 elif name == "user_id":
                     out.user_id = raw[pos + 1 : pos + 1 + n].decode("utf-8", "replace")
+                elif name == "reply_to" and n == 21 and raw[pos + 1 : pos + 22] == b"amq.rabbitmq.reply-to":
+                    out.reply_to_direct = True
                 pos += 1 + n
             elif kind == "octet":
                 if name == "delivery_mode":
@@ -122,6 +126,8 @@ def decode(raw: bytes) -> dict[str, Any]:
                 continue
             if kind == "shortstr":
                 n = raw[pos]
+                if pos + 1 + n > len(raw):
+                    raise IndexError(f"{name} runs past the end of the properties")
                 out[name] = raw[pos + 1 : pos + 1 + n].decode("utf-8", "replace")
                 pos += 1 + n
             elif kind == "octet":

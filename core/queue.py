@@ -1,4 +1,5 @@
-"""Core queues, their channels and consumers: delivery, credit, acks, requeue.
+"""Core queues, their channels and consumers: delivery, credit, acks, requeue,
+expiry, length limits and dead-lettering.
 
 A queue is an ordered sequence of messages; every message gets the next
 offset. Messages are read through a queue's channels: each channel sees every
@@ -9,13 +10,20 @@ queue's AMQP consumers share.
 
 from __future__ import annotations
 
-import heapq
 from collections import deque
 from collections.abc import Callable, Iterable
 from typing import Any, Protocol
 
+from core.clock import AsyncioScheduler, Scheduler, TimerHandle
 from core.errors import AccessRefused
 from core.message import Message, QueuedMessage
+from core.queue_args import QueueArgs
+from core.ready import PriorityReady, requeue_into
+
+# Why a message left a queue without being acknowledged (x-death "reason").
+REJECTED = "rejected"
+EXPIRED = "expired"
+MAXLEN = "maxlen"
 
 
 class ConsumerSink(Protocol):
@@ -33,7 +41,7 @@ class ConsumerSink(Protocol):
 
 
 class Consumer:
-    __slots__ = ("tag", "channel", "sink", "no_ack", "exclusive", "arguments", "unacked", "prefetch")
+    __slots__ = ("tag", "channel", "sink", "no_ack", "exclusive", "arguments", "unacked", "prefetch", "priority")
 
     def __init__(
         self,
@@ -44,6 +52,7 @@ class Consumer:
         exclusive: bool = False,
         arguments: dict[str, Any] | None = None,
         prefetch: int = 0,
+        priority: int = 0,
     ) -> None:
         self.tag = tag
         self.channel = channel
@@ -53,6 +62,7 @@ class Consumer:
         self.arguments = arguments or {}
         self.unacked = 0
         self.prefetch = prefetch
+        self.priority = priority
 
     @property
     def queue(self) -> Queue:
@@ -66,12 +76,19 @@ class QueueChannel:
         self.queue = queue
         self.name = name
         self.accepts = topic_filter
-        self.ready: deque[QueuedMessage] = deque()
+        max_priority = queue.args.max_priority
+        self.ready: deque[QueuedMessage] | PriorityReady = (
+            PriorityReady(max_priority) if max_priority else deque()
+        )
         self.consumers: list[Consumer] = []
         self._next = 0  # round-robin position
+        self._by_priority: list[list[Consumer]] | None = None  # set when consumer priorities differ
+        self._next_in: dict[int, int] = {}
         self.unacked = 0
         self.ready_bytes = 0
         self._dispatching = False
+        self._expiry_timer: TimerHandle | None = None
+        self._expiry_at = 0.0
 
     # -- arrival ---------------------------------------------------------------
     def push(self, qm: QueuedMessage) -> None:
@@ -79,14 +96,18 @@ class QueueChannel:
         self.ready_bytes += len(qm.message.body)
         if self.consumers and not self._dispatching:
             self.dispatch()
+        if qm.expires_at is not None and self.ready:
+            self._arm_expiry()
 
     # -- delivery --------------------------------------------------------------
     def _pick(self) -> Consumer | None:
         consumers = self.consumers
         n = len(consumers)
-        if n == 1:
+        if n == 1 or (self.queue.args.single_active_consumer and n):
             c = consumers[0]
             return c if c.sink.has_credit(c) else None
+        if self._by_priority is not None:
+            return self._pick_by_priority()
         start = self._next
         for i in range(n):
             c = consumers[(start + i) % n]
@@ -95,6 +116,29 @@ class QueueChannel:
                 return c
         return None
 
+    def _pick_by_priority(self) -> Consumer | None:
+        """Highest consumer priority first; round robin among equals (x-priority)."""
+        assert self._by_priority is not None
+        for group in self._by_priority:
+            n = len(group)
+            key = group[0].priority
+            start = self._next_in.get(key, 0) % n
+            for i in range(n):
+                c = group[(start + i) % n]
+                if c.sink.has_credit(c):
+                    self._next_in[key] = (start + i + 1) % n
+                    return c
+        return None
+
+    def _regroup(self) -> None:
+        priorities = {c.priority for c in self.consumers}
+        if len(priorities) <= 1:
+            self._by_priority = None
+            return
+        self._by_priority = [
+            [c for c in self.consumers if c.priority == p] for p in sorted(priorities, reverse=True)
+        ]
+
     def dispatch(self) -> None:
         """Hand ready messages to consumers that have credit, round robin."""
         if self._dispatching:
@@ -102,12 +146,16 @@ class QueueChannel:
         self._dispatching = True
         try:
             ready = self.ready
+            queue = self.queue
             while ready and self.consumers:
                 c = self._pick()
                 if c is None:
                     break
                 qm = ready.popleft()
                 self.ready_bytes -= len(qm.message.body)
+                if qm.expires_at is not None and qm.expires_at <= queue.scheduler.now():
+                    queue.dead_letter([qm], EXPIRED)
+                    continue
                 qm.delivery_count += 1
                 if not c.no_ack:
                     self.unacked += 1
@@ -117,7 +165,8 @@ class QueueChannel:
             self._dispatching = False
 
     def get(self, no_ack: bool) -> QueuedMessage | None:
-        """basic.get: the next ready message, or None."""
+        """basic.get: the next ready message that has not expired, or None."""
+        self.expire()
         if not self.ready:
             return None
         qm = self.ready.popleft()
@@ -127,12 +176,60 @@ class QueueChannel:
             self.unacked += 1
         return qm
 
+    # -- expiry ----------------------------------------------------------------
+    def expire(self) -> None:
+        """Drop (dead-letter) expired messages at the head, as RabbitMQ does."""
+        ready = self.ready
+        if not ready:
+            return
+        now = self.queue.scheduler.now()
+        expired: list[QueuedMessage] = []
+        while ready:
+            head = ready[0]
+            if head.expires_at is None or head.expires_at > now:
+                break
+            ready.popleft()
+            self.ready_bytes -= len(head.message.body)
+            expired.append(head)
+        if expired:
+            self.queue.dead_letter(expired, EXPIRED)
+        self._arm_expiry()
+
+    def _arm_expiry(self) -> None:
+        if not self.ready:
+            return
+        head = self.ready[0]
+        if head.expires_at is None:
+            return
+        if self._expiry_timer is not None:
+            if self._expiry_at <= head.expires_at:
+                return
+            self._expiry_timer.cancel()
+        self._expiry_at = head.expires_at
+        scheduler = self.queue.scheduler
+        self._expiry_timer = scheduler.call_later(head.expires_at - scheduler.now(), self._on_expiry_timer)
+
+    def _on_expiry_timer(self) -> None:
+        self._expiry_timer = None
+        if not self.queue.deleted:
+            self.expire()
+
     # -- settlement ------------------------------------------------------------
     def settle(self, qm: QueuedMessage, consumer: Consumer | None) -> None:
         """An unacked delivery is done with (acked, or rejected without requeue)."""
         self.unacked -= 1
         if consumer is not None:
             consumer.unacked -= 1
+
+    def discard(self, items: Iterable[tuple[QueuedMessage, Consumer | None]]) -> None:
+        """Rejected without requeue: settle, and dead-letter where the queue says so."""
+        dropped = []
+        for qm, consumer in items:
+            self.settle(qm, consumer)
+            dropped.append(qm)
+        if dropped and not self.queue.deleted:
+            self.queue.dead_letter(dropped, REJECTED)
+        self.dispatch()
 
     def requeue(self, items: Iterable[tuple[QueuedMessage, Consumer | None]]) -> None:
         """Put unacked deliveries back in their original order, marked redelivered."""
@@ -150,26 +247,22 @@ class QueueChannel:
             return
         back.sort(key=_offset)
         ready = self.ready
-        if not ready or back[-1].offset < ready[0].offset:
-            ready.extendleft(reversed(back))
+        if isinstance(ready, PriorityReady):
+            ready.requeue(back)
         else:
-            merged = list(heapq.merge(back, ready, key=_offset))
-            ready.clear()
-            ready.extend(merged)
+            requeue_into(ready, back)
         self.dispatch()
+        self._arm_expiry()
 
     # -- consumers -------------------------------------------------------------
     def add_consumer(self, consumer: Consumer, dispatch: bool = True) -> None:
-        if any(c.exclusive for c in self.consumers):
-            raise AccessRefused(
-                f"queue '{self.queue.name}' in vhost '{self.queue.vhost}' in exclusive use"
-            )
-        if consumer.exclusive and self.consumers:
+        if any(c.exclusive for c in self.consumers) or (consumer.exclusive and self.consumers):
             raise AccessRefused(
                 f"queue '{self.queue.name}' in vhost '{self.queue.vhost}' in exclusive use"
             )
         self.consumers.append(consumer)
-        self.queue.had_consumers = True
+        self._regroup()
+        self.queue.consumer_added()
         if dispatch:
             self.dispatch()
 
@@ -180,7 +273,11 @@ class QueueChannel:
             return
         if self._next >= len(self.consumers):
             self._next = 0
+        self._regroup()
         self.queue.consumer_removed()
+        if self.consumers and self.ready:
+            # Single active consumer: the next one in line takes over.
+            self.dispatch()
 
     def purge(self) -> int:
         n = len(self.ready)
@@ -188,13 +285,26 @@ class QueueChannel:
         self.ready_bytes = 0
         return n
 
+    def drop_head(self) -> QueuedMessage:
+        qm = self.ready.popleft()
+        self.ready_bytes -= len(qm.message.body)
+        return qm
+
+    def cancel_timers(self) -> None:
+        if self._expiry_timer is not None:
+            self._expiry_timer.cancel()
+            self._expiry_timer = None
+
 
 def _offset(qm: QueuedMessage) -> int:
     return qm.offset
 
 
+DeadLetterFn = Callable[["Queue", list[QueuedMessage], str], None]
+
+
 class Queue:
-    """A named queue in a vhost: offsets, its channels and its lifecycle flags."""
+    """A named queue in a vhost: offsets, its channels, limits and lifecycle."""
 
     def __init__(
         self,
@@ -204,7 +314,10 @@ class Queue:
         exclusive_owner: object | None = None,
         auto_delete: bool = False,
         arguments: dict[str, Any] | None = None,
+        args: QueueArgs | None = None,
+        scheduler: Scheduler | None = None,
         on_unused: Callable[[Queue], None] | None = None,
+        on_dead_letter: DeadLetterFn | None = None,
     ) -> None:
         self.name = name
         self.vhost = vhost
@@ -212,28 +325,87 @@ class Queue:
         self.exclusive_owner = exclusive_owner
         self.auto_delete = auto_delete
         self.arguments = dict(arguments or {})
+        self.args = args or QueueArgs()
+        self.scheduler: Scheduler = scheduler or AsyncioScheduler()
         self.next_offset = 0
         self.default = QueueChannel(self, "")
         self.channels: list[QueueChannel] = [self.default]
         self.had_consumers = False
         self.deleted = False
         self._on_unused = on_unused
+        self._on_dead_letter = on_dead_letter
+        a = self.args
+        self._ttl_ms = a.message_ttl
+        self._limited = a.max_length is not None or a.max_length_bytes is not None
+        self._expires_timer: TimerHandle | None = None
+        self.touch()
 
     @property
     def exclusive(self) -> bool:
         return self.exclusive_owner is not None
 
-    def enqueue(self, message: Message) -> None:
+    # -- publishing ------------------------------------------------------------
+    def _expiry_of(self, message: Message) -> float | None:
+        ttl = self._ttl_ms
+        expiration = message.summary.expiration
+        if expiration is not None:
+            try:
+                per_message = int(expiration)
+            except ValueError:
+                per_message = None  # refused at publish by the front end; be lenient here
+            if per_message is not None and (ttl is None or per_message < ttl):
+                ttl = per_message
+        if ttl is None:
+            return None
+        return self.scheduler.now() + ttl / 1000.0
+
+    def enqueue(self, message: Message) -> bool:
+        """Add ``message``; False when the queue refused it (x-overflow reject-publish*)."""
+        if self._limited and self.args.overflow != "drop-head" and self._full(len(message.body)):
+            if self.args.overflow == "reject-publish-dlx":
+                self.dead_letter([QueuedMessage(message, -1)], MAXLEN)
+            return False
         offset = self.next_offset
         self.next_offset = offset + 1
+        qm = QueuedMessage(message, offset)
+        if self._ttl_ms is not None or message.summary.expiration is not None:
+            qm.expires_at = self._expiry_of(message)
         channels = self.channels
         if len(channels) == 1:
-            channels[0].push(QueuedMessage(message, offset))
-            return
-        for ch in channels:
-            if ch.accepts is None or ch.accepts(message.routing_key):
-                ch.push(QueuedMessage(message, offset))
+            channels[0].push(qm)
+        else:
+            for ch in channels:
+                if ch.accepts is None or ch.accepts(message.routing_key):
+                    ch.push(qm if ch is channels[0] else qm.copy())
+        if self._limited:
+            self._drop_over_limit()
+        return True
 
+    def _full(self, incoming: int) -> bool:
+        a = self.args
+        ready = self.default
+        if a.max_length is not None and len(ready.ready) >= a.max_length:
+            return True
+        return a.max_length_bytes is not None and ready.ready_bytes + incoming > a.max_length_bytes
+
+    def _drop_over_limit(self) -> None:
+        a = self.args
+        for ch in self.channels:
+            dropped = []
+            while ch.ready and (
+                (a.max_length is not None and len(ch.ready) > a.max_length)
+                or (a.max_length_bytes is not None and ch.ready_bytes > a.max_length_bytes)
+            ):
+                dropped.append(ch.drop_head())
+            if dropped:
+                self.dead_letter(dropped, MAXLEN)
+
+    def dead_letter(self, messages: list[QueuedMessage], reason: str) -> None:
+        """Messages leave without an ack: to the dead-letter exchange if there is one."""
+        if self._on_dead_letter is not None and self.args.dead_letter_exchange is not None:
+            self._on_dead_letter(self, messages, reason)
+
+    # -- counts ----------------------------------------------------------------
     @property
     def message_count(self) -> int:
         return len(self.default.ready)
@@ -242,19 +414,50 @@ class Queue:
     def consumer_count(self) -> int:
         return len(self.default.consumers)
 
+    # -- lifecycle -------------------------------------------------------------
+    def touch(self) -> None:
+        """The queue was used (declared, got from): restart its x-expires clock."""
+        expires = self.args.expires
+        if expires is None or self.deleted:
+            return
+        if self._expires_timer is not None:
+            self._expires_timer.cancel()
+            self._expires_timer = None
+        if any(ch.consumers for ch in self.channels):
+            return
+        self._expires_timer = self.scheduler.call_later(expires / 1000.0, self._expired)
+
+    def _expired(self) -> None:
+        self._expires_timer = None
+        if not self.deleted and not any(ch.consumers for ch in self.channels) and self._on_unused is not None:
+            self._on_unused(self)
+
+    def consumer_added(self) -> None:
+        self.had_consumers = True
+        if self._expires_timer is not None:
+            self._expires_timer.cancel()
+            self._expires_timer = None
+
     def consumer_removed(self) -> None:
-        if self.auto_delete and self.had_consumers and not any(ch.consumers for ch in self.channels):
-            if self._on_unused is not None:
-                self._on_unused(self)
+        if any(ch.consumers for ch in self.channels):
+            return
+        if self.auto_delete and self.had_consumers and self._on_unused is not None:
+            self._on_unused(self)
+        else:
+            self.touch()
 
     def purge(self) -> int:
         return sum(ch.purge() for ch in self.channels) if len(self.channels) > 1 else self.default.purge()
 
     def delete(self) -> int:
-        """Mark deleted, cancel every consumer; return the ready count dropped."""
+        """Mark deleted, cancel every consumer and timer; return the ready count dropped."""
         self.deleted = True
         count = self.message_count
+        if self._expires_timer is not None:
+            self._expires_timer.cancel()
+            self._expires_timer = None
         for ch in self.channels:
+            ch.cancel_timers()
             consumers = list(ch.consumers)
             ch.consumers.clear()
             ch.purge()

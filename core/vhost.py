@@ -8,10 +8,13 @@ import os
 from collections.abc import Callable
 from typing import Any
 
+from core import dead_letter
+from core.clock import AsyncioScheduler, Scheduler
 from core.errors import AccessRefused, NotFound, PreconditionFailed, ResourceLocked
 from core.exchange import Binding, Destination, Exchange, make_exchange
-from core.message import Message
+from core.message import Message, QueuedMessage
 from core.queue import Queue
+from core.queue_args import parse_queue_args
 
 log = logging.getLogger("leveret.core")
 
@@ -23,9 +26,9 @@ STANDARD_EXCHANGES = (
     ("amq.match", "headers"),
 )
 
-# Queue arguments this node understands. Anything else starting with "x-"
-# changes semantics we do not implement, so it is refused, not ignored.
-KNOWN_QUEUE_ARGUMENTS: frozenset[str] = frozenset()
+# Exchange arguments this node understands ("alternate-exchange" has no x-).
+# Anything else starting with "x-" changes semantics we do not implement, so
+# it is refused, not ignored (queue arguments: core/queue_args.py).
 KNOWN_EXCHANGE_ARGUMENTS: frozenset[str] = frozenset()
 
 
@@ -42,8 +45,9 @@ def server_generated_name(prefix: str = "amq.gen-") -> str:
 
 
 class VirtualHost:
-    def __init__(self, name: str) -> None:
+    def __init__(self, name: str, scheduler: Scheduler | None = None) -> None:
         self.name = name
+        self.scheduler: Scheduler = scheduler or AsyncioScheduler()
         self.exchanges: dict[str, Exchange] = {}
         self.queues: dict[str, Queue] = {}
         # Observers of queue deletion (channels tracking their last-declared queue, etc.).
@@ -63,12 +67,15 @@ class VirtualHost:
         if q is None:
             raise NotFound(f"no queue '{name}' in vhost '{self.name}'")
         if q.exclusive_owner is not None and q.exclusive_owner is not owner:
-            raise ResourceLocked(
-                f"cannot obtain exclusive access to locked queue '{name}' in vhost '{self.name}'. "
-                "It could be originally declared on another connection or the exclusive property "
-                "value does not match that of the original declaration."
-            )
+            raise self._locked(name)
         return q
+
+    def _locked(self, name: str) -> ResourceLocked:
+        return ResourceLocked(
+            f"cannot obtain exclusive access to locked queue '{name}' in vhost '{self.name}'. "
+            "It could be originally declared on another connection or the exclusive property "
+            "value does not match that of the original declaration."
+        )
 
     # -- exchanges -------------------------------------------------------------
     def declare_exchange(
@@ -81,10 +88,10 @@ class VirtualHost:
         internal: bool = False,
         arguments: dict[str, Any] | None = None,
     ) -> Exchange:
-        if passive:
-            return self.get_exchange(name)
         if name == "":
             raise AccessRefused("operation not permitted on the default exchange")
+        if passive:
+            return self.get_exchange(name)
         arguments = dict(arguments or {})
         existing = self.exchanges.get(name)
         if existing is None:
@@ -155,12 +162,7 @@ class VirtualHost:
         if existing is None:
             if name.startswith("amq.") and not generated:
                 raise AccessRefused(f"queue name '{name}' contains reserved prefix 'amq.*'")
-            for key in arguments:
-                if key.startswith("x-") and key not in KNOWN_QUEUE_ARGUMENTS:
-                    raise PreconditionFailed(
-                        f"unsupported queue argument '{key}' for queue '{name}' in vhost "
-                        f"'{self.name}': this node does not implement it"
-                    )
+            args = parse_queue_args(arguments, name, self.name)
             q = Queue(
                 name,
                 self.name,
@@ -168,7 +170,10 @@ class VirtualHost:
                 exclusive_owner=owner if exclusive else None,
                 auto_delete=auto_delete,
                 arguments=arguments,
+                args=args,
+                scheduler=self.scheduler,
                 on_unused=self._queue_unused,
+                on_dead_letter=self._dead_letter,
             )
             self.queues[name] = q
             # Every queue is bound to the default exchange by its name; that
@@ -176,14 +181,17 @@ class VirtualHost:
             log.debug("queue declared", extra={"vhost": self.name, "queue": name})
             return q
         self.get_queue(name, owner)  # exclusive check -> 405
+        if exclusive != existing.exclusive:
+            # RabbitMQ reports an exclusive mismatch as a lock, not as 406.
+            raise self._locked(name)
         self._check_equivalent(
             "queue",
             name,
-            (("durable", durable, existing.durable), ("exclusive", exclusive, existing.exclusive),
-             ("auto_delete", auto_delete, existing.auto_delete)),
+            (("durable", durable, existing.durable), ("auto_delete", auto_delete, existing.auto_delete)),
             arguments,
             existing.arguments,
         )
+        existing.touch()
         return existing
 
     def _check_equivalent(
@@ -215,7 +223,7 @@ class VirtualHost:
         if if_unused and q.consumer_count:
             raise PreconditionFailed(f"queue '{name}' in vhost '{self.name}' in use")
         if if_empty and q.message_count:
-            raise PreconditionFailed(f"queue '{name}' in vhost '{self.name}' is not empty")
+            raise PreconditionFailed(f"queue '{name}' in vhost '{self.name}' not empty")
         return self._drop_queue(q)
 
     def _drop_queue(self, q: Queue) -> int:
@@ -271,6 +279,27 @@ class VirtualHost:
         if x.auto_delete and not x.bindings and not x.deleted:
             self._drop_exchange(x)
 
+    # -- dead-lettering --------------------------------------------------------
+    def _dead_letter(self, queue: Queue, messages: list[QueuedMessage], reason: str) -> None:
+        dlx_name = queue.args.dead_letter_exchange
+        if dlx_name is None:
+            return
+        exchange: Exchange | None = None
+        if dlx_name not in ("", "amq.default"):
+            exchange = self.exchanges.get(dlx_name)
+            if exchange is None:
+                log.debug("dead-letter exchange missing; message dropped",
+                          extra={"vhost": self.name, "queue": queue.name, "dlx": dlx_name})
+                return
+        now = self.scheduler.now()
+        for qm in messages:
+            dead = dead_letter.make_dead_lettered(qm.message, queue, reason, now, dlx_name)
+            targets = self.route(exchange, dead)
+            if reason != dead_letter.REJECTED:
+                targets = [t for t in targets if not dead_letter.is_cycle(t.name, dead.headers)]
+            for target in targets:
+                target.enqueue(dead)
+
     # -- routing ---------------------------------------------------------------
     def route(self, exchange: Exchange | None, message: Message) -> list[Queue]:
         """Every queue ``message`` reaches from ``exchange`` (None: the default exchange)."""
@@ -280,7 +309,7 @@ class VirtualHost:
             return [q] if q is not None else []
         dests = exchange.route(rk, message)
         if not dests:
-            return []
+            return self._alternate(exchange, message)
         # Fast path: only queues, no exchange-to-exchange hops.
         if all(type(d) is Queue for d in dests):
             return list(dests)  # type: ignore[arg-type]
@@ -296,3 +325,22 @@ class VirtualHost:
                 seen_x.add(id(d))
                 pending.extend(d.route(rk, message))
         return out
+
+    def _alternate(self, exchange: Exchange, message: Message) -> list[Queue]:
+        """Unroutable on ``exchange``: try its alternate exchange chain (loops stop)."""
+        seen = {exchange.name}
+        current = exchange
+        while True:
+            ae_name = current.arguments.get("alternate-exchange")
+            if isinstance(ae_name, bytes):
+                ae_name = ae_name.decode("utf-8", "replace")
+            if not isinstance(ae_name, str) or ae_name in seen:
+                return []
+            ae = self.exchanges.get(ae_name)
+            if ae is None:
+                return []
+            seen.add(ae_name)
+            dests = ae.route(message.routing_key, message)
+            if dests:
+                return self.route(ae, message)
+            current = ae

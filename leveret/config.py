@@ -22,6 +22,7 @@ class NodeConfig:
     frame_max: int = 131072
     channel_max: int = 2047
     max_message_size: int = 128 * 1024 * 1024
+    memory_high_watermark: float = 0.4
     default_user: str = "guest"
     default_pass: str = "guest"
 
@@ -42,6 +43,8 @@ HELP = {
     "frame_max": "largest frame in bytes the server accepts",
     "channel_max": "most channels per connection",
     "max_message_size": "largest message body in bytes",
+    "memory_high_watermark": "block publishers when messages waiting in queues take more than this: a fraction "
+    "of RAM (<= 1) or bytes (> 1)",
     "default_user": "user created at start, allowed from loopback only (as RabbitMQ's guest)",
     "default_pass": "password of the default user",
 }
@@ -55,6 +58,8 @@ def _coerce(name: str, kind: Any, value: Any, source: str) -> Any:
     try:
         if kind is int or kind == "int":
             return int(value)
+        if kind is float or kind == "float":
+            return float(value)
         return str(value)
     except (TypeError, ValueError) as exc:
         raise ConfigError(f"{source}: {name} must be an integer, got {value!r}") from exc

@@ -45,6 +45,7 @@ class Node:
         gc.set_threshold(50_000, 20, 100)
         Path(self.config.data_dir).mkdir(parents=True, exist_ok=True)
         await self.amqp.start(self.config.bind, self.config.amqp_port)
+        self._monitor = asyncio.create_task(self._watch_memory())
         log.info(
             "node started",
             extra={
@@ -55,8 +56,37 @@ class Node:
             },
         )
 
+    def watermark_bytes(self) -> int:
+        mark = self.config.memory_high_watermark
+        if mark > 1:
+            return int(mark)
+        return int(mark * os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))
+
+    def queued_bytes(self) -> int:
+        return sum(
+            ch.ready_bytes for vh in self.broker.vhosts.values() for q in vh.queues.values() for ch in q.channels
+        )
+
+    async def _watch_memory(self) -> None:
+        """The memory alarm, on the bytes of messages waiting in queues.
+
+        Bodies held by queues are what grows without bound when consumers
+        fall behind; RSS is not used because CPython rarely returns freed
+        memory, so an alarm on it would never clear.
+        """
+        limit = self.watermark_bytes()
+        while True:
+            await asyncio.sleep(0.5)
+            used = self.queued_bytes()
+            if used > limit and not self.broker.memory_alarm:
+                log.warning("memory high watermark reached", extra={"queued_bytes": used, "limit": limit})
+                self.amqp.set_memory_alarm(True)
+            elif used <= limit * 0.9 and self.broker.memory_alarm:
+                self.amqp.set_memory_alarm(False)
+
     async def stop(self) -> None:
         log.info("node stopping", extra={"node": self.broker.node_id, "connections": len(self.amqp.connections)})
+        self._monitor.cancel()
         await self.amqp.stop()
         log.info("node stopped", extra={"node": self.broker.node_id})
 

@@ -119,7 +119,13 @@ class Client:
 
     # ----------------------------------------------------------------- input
     def send_raw(self, data: bytes, now: float | None = None) -> None:
-        self.conn.receive_data(data, now=now)
+        """Feed bytes; under an injected clock (``now`` given at creation) they arrive at ``self.now``."""
+        self.conn.receive_data(data, now=self.now if now is None else now)
+
+    def tick(self, now: float) -> None:
+        """Advance the injected clock to ``now`` and let the connection run its timers."""
+        self.now = now
+        self.conn.tick(now)
 
     def send(self, channel: int, *values: AnyFrame, now: float | None = None) -> None:
         """Marshal ``values`` on ``channel`` and feed them in one receive_data call."""

@@ -18,7 +18,11 @@ from bench.results import Metric, RunOptions, Skipped
 from bench.target import Target
 
 CONCURRENCY = 50
-SETTLE_SECONDS = 2.0
+# RSS is sampled until it stops moving: a broker still freeing memory from the
+# previous scenario (or still growing after the opens) would skew the delta.
+SETTLE_STEP = 0.5
+SETTLE_TOLERANCE_KIB = 256
+SETTLE_MAX_SECONDS = 15.0
 
 
 def resolve_pid(target: Target) -> int:
@@ -38,11 +42,24 @@ def _raise_fd_limit(needed: int) -> None:
         resource.setrlimit(resource.RLIMIT_NOFILE, (min(needed, hard), hard))
 
 
+async def _settled_rss(pid: int) -> int:
+    """RSS once two samples SETTLE_STEP apart agree within SETTLE_TOLERANCE_KIB (or after a cap)."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + SETTLE_MAX_SECONDS
+    last = tree_rss_kb(pid)
+    while loop.time() < deadline:
+        await asyncio.sleep(SETTLE_STEP)
+        now = tree_rss_kb(pid)
+        if abs(now - last) <= SETTLE_TOLERANCE_KIB:
+            return now
+        last = now
+    return last
+
+
 async def _run(target: Target, opts: RunOptions, pid: int) -> tuple[list[Metric], dict[str, object]]:
     count = opts.idle_connections
     _raise_fd_limit(count + 256)
-    await asyncio.sleep(SETTLE_SECONDS)
-    before = tree_rss_kb(pid)
+    before = await _settled_rss(pid)
     conns: list[Connection] = []
     gate = asyncio.Semaphore(CONCURRENCY)
 
@@ -61,10 +78,9 @@ async def _run(target: Target, opts: RunOptions, pid: int) -> tuple[list[Metric]
 
     try:
         await asyncio.wait_for(asyncio.gather(*(open_one() for _ in range(count))), opts.hard_timeout / 2)
-        await asyncio.sleep(SETTLE_SECONDS)
+        after = await _settled_rss(pid)
         if any(not c.is_open for c in conns):
             raise RuntimeError("some idle connections were closed by the broker")
-        after = tree_rss_kb(pid)
     finally:
         await close_all()
     delta = after - before

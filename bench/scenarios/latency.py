@@ -16,6 +16,7 @@ import time
 from bench import loop
 from bench.codec import encode_publish
 from bench.connection import Connection
+from bench.cpu import CpuWatch, broker_pid_of
 from bench.ops import cleanup, consume, declare_queue, open_channel, qos, unique_name
 from bench.results import Metric, RunOptions
 from bench.stats import percentile
@@ -51,12 +52,17 @@ async def _run(target: Target, opts: RunOptions) -> tuple[list[Metric], dict[str
         pch = await open_channel(pub)
         padding = bytes(BODY_SIZE - _STAMP.size)
 
+        cpu = CpuWatch(broker_pid_of(target))
         start = time.monotonic()
         warm_ns = time.perf_counter_ns() + int(opts.warmup * 1e9)
         end = start + opts.warmup + opts.duration
         sent_measured = 0
         i = 0
+        measuring = False
         while (now := time.monotonic()) < end:
+            if not measuring and now >= start + opts.warmup:
+                cpu.start()
+                measuring = True
             # Catch up on every message due by now, so the average rate is exact
             # even though timers only have ~1 ms resolution.
             due = int((now - start) * RATE) + 1
@@ -66,7 +72,10 @@ async def _run(target: Target, opts: RunOptions) -> tuple[list[Metric], dict[str
                 if stamp >= warm_ns:
                     sent_measured += 1
                 i += 1
-            await asyncio.sleep(max(0.0, start + i / RATE - time.monotonic()))
+            # uvloop fires sub-millisecond timers immediately; a shorter sleep would
+            # busy-spin and steal CPU from the broker.
+            await asyncio.sleep(max(0.001, start + i / RATE - time.monotonic()))
+        cpu_split = cpu.stop_dict()
         await asyncio.sleep(0.5)  # let in-flight messages arrive
         for conn in (cons, pub):
             if conn.error is not None:
@@ -85,7 +94,7 @@ async def _run(target: Target, opts: RunOptions) -> tuple[list[Metric], dict[str
         Metric("latency p99", percentile(samples, 99) * ms, "ms", "lower"),
         Metric("latency max", samples[-1] * ms, "ms", "lower"),
     ]
-    return metrics, {"sent": sent_measured, "received": received, "rate": RATE}
+    return metrics, {"sent": sent_measured, "received": received, "rate": RATE, "cpu": cpu_split}
 
 
 def run(target: Target, opts: RunOptions) -> tuple[list[Metric], dict[str, object]]:

@@ -21,6 +21,7 @@ from typing import Literal
 
 from bench import loop
 from bench.connection import Connection
+from bench.cpu import CpuWatch, broker_pid_of
 from bench.ops import bind_queue, cleanup, declare_exchange, declare_queue, open_channel, unique_name
 from bench.results import Metric, RunOptions
 from bench.scenarios.procs import CTX, Workers
@@ -124,6 +125,7 @@ async def _cleanup(target: Target, topo: Topology) -> list[str]:
 
 
 def run_plan(plan: Plan, target: Target, opts: RunOptions) -> tuple[list[Metric], dict[str, object]]:
+    cpu = CpuWatch(broker_pid_of(target))
     topo = loop.run(_declare(target, plan))
     workers = Workers()
     try:
@@ -141,9 +143,11 @@ def run_plan(plan: Plan, target: Target, opts: RunOptions) -> tuple[list[Metric]
         end_at = warm_end + opts.duration
         workers.go(start_at, end_at)
         workers.sleep_until(warm_end)
+        cpu.start()
         t0, c0 = time.monotonic(), sum(counters)
         workers.sleep_until(end_at)
         t1, c1 = time.monotonic(), sum(counters)
+        cpu_split = cpu.stop_dict()
         consumer_info, producer_info = workers.collect(timeout=15)
     finally:
         workers.stop()
@@ -154,7 +158,7 @@ def run_plan(plan: Plan, target: Target, opts: RunOptions) -> tuple[list[Metric]
     metrics = [Metric("delivered", rate, "msg/s")]
     if plan.body_size >= MIB:
         metrics.append(Metric("delivered", rate * plan.body_size / MIB, "MiB/s"))
-    notes: dict[str, object] = {**producer_info, "delivered_total": consumer_info["delivered"]}
+    notes: dict[str, object] = {**producer_info, "delivered_total": consumer_info["delivered"], "cpu": cpu_split}
     if problems:
         notes["cleanup_problems"] = problems
     return metrics, notes

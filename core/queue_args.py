@@ -1,0 +1,120 @@
+"""Queue arguments (``x-...``): validated once at declare, read by the engine."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from core.errors import PreconditionFailed
+
+OVERFLOW_MODES = ("drop-head", "reject-publish", "reject-publish-dlx")
+
+
+@dataclass(frozen=True)
+class QueueArgs:
+    message_ttl: int | None = None  # ms
+    expires: int | None = None  # ms of disuse before the queue is deleted
+    max_length: int | None = None
+    max_length_bytes: int | None = None
+    overflow: str = "drop-head"
+    dead_letter_exchange: str | None = None
+    dead_letter_routing_key: str | None = None
+    max_priority: int | None = None
+    single_active_consumer: bool = False
+    queue_type: str = "classic"
+
+
+def _type_name(value: Any) -> str:
+    if isinstance(value, bool):
+        return "bool"
+    if isinstance(value, int):
+        return "long"
+    if isinstance(value, (str, bytes)):
+        return "longstr"
+    return type(value).__name__
+
+
+def parse_queue_args(arguments: dict[str, Any], queue: str, vhost: str) -> QueueArgs:
+    """Validate ``arguments`` as RabbitMQ does; unknown ``x-`` arguments are refused."""
+
+    def invalid(key: str, why: str) -> PreconditionFailed:
+        return PreconditionFailed(f"invalid arg '{key}' for queue '{queue}' in vhost '{vhost}': {why}")
+
+    def integer(key: str, minimum: int) -> int | None:
+        if key not in arguments:
+            return None
+        value = arguments[key]
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise invalid(key, f"{{unacceptable_type,{_type_name(value)}}}")
+        if value < minimum:
+            raise invalid(key, f"{{value_negative,{value}}}" if value < 0 else f"{{value_zero,{value}}}")
+        return value
+
+    def string(key: str) -> str | None:
+        if key not in arguments:
+            return None
+        value = arguments[key]
+        if isinstance(value, bytes):
+            value = value.decode("utf-8", "replace")
+        if not isinstance(value, str):
+            raise invalid(key, f"{{unacceptable_type,{_type_name(value)}}}")
+        return value
+
+    for key in arguments:
+        if key.startswith("x-") and key not in KNOWN:
+            raise PreconditionFailed(
+                f"unsupported queue argument '{key}' for queue '{queue}' in vhost '{vhost}': "
+                "this node does not implement it, so it refuses the declaration rather than ignore it"
+            )
+    overflow = string("x-overflow") or "drop-head"
+    if overflow not in OVERFLOW_MODES:
+        raise invalid("x-overflow", f"{{unacceptable_value,{overflow}}}")
+    max_priority = integer("x-max-priority", 0)
+    if max_priority is not None and max_priority > 255:
+        raise invalid("x-max-priority", f"{{value_too_large,{max_priority},255}}")
+    sac = arguments.get("x-single-active-consumer", False)
+    if not isinstance(sac, bool):
+        raise invalid("x-single-active-consumer", f"{{unacceptable_type,{_type_name(sac)}}}")
+    queue_type = string("x-queue-type") or "classic"
+    if queue_type != "classic":
+        raise invalid("x-queue-type", f"queue type '{queue_type}' is not supported by this node (classic only)")
+    dlrk = string("x-dead-letter-routing-key")
+    dlx = string("x-dead-letter-exchange")
+    if dlrk is not None and dlx is None:
+        raise PreconditionFailed(
+            f"invalid arg 'x-dead-letter-routing-key' for queue '{queue}' in vhost '{vhost}': "
+            "x-dead-letter-routing-key requires x-dead-letter-exchange"
+        )
+    return QueueArgs(
+        message_ttl=integer("x-message-ttl", 0),
+        expires=integer("x-expires", 1),
+        max_length=integer("x-max-length", 0),
+        max_length_bytes=integer("x-max-length-bytes", 0),
+        overflow=overflow,
+        dead_letter_exchange=dlx,
+        dead_letter_routing_key=dlrk,
+        max_priority=max_priority,
+        single_active_consumer=sac,
+        queue_type=queue_type,
+    )
+
+
+KNOWN = frozenset(
+    {
+        "x-message-ttl",
+        "x-expires",
+        "x-max-length",
+        "x-max-length-bytes",
+        "x-overflow",
+        "x-dead-letter-exchange",
+        "x-dead-letter-routing-key",
+        "x-max-priority",
+        "x-single-active-consumer",
+        "x-queue-type",
+        # Storage hints with no meaning for an in-memory classic queue; accepted
+        # because RabbitMQ tooling sets them routinely.
+        "x-queue-mode",
+        "x-queue-master-locator",
+        "x-queue-version",
+    }
+)
