@@ -188,9 +188,12 @@ class RawAMQP:
 
     def open_channel(self, channel: int = 1) -> None:
         self.send(commands.Channel.Open(), channel)
-        _ch, value = self.read_frame()
+        while True:
+            ch, value = self.read_frame()
+            if not isinstance(value, Heartbeat):
+                break
         assert isinstance(value, commands.Channel.OpenOk), value
-        assert _ch == channel
+        assert ch == channel
 
     def rpc(self, method: Frame, channel: int = 1, timeout: float = 5.0) -> Any:
         """Send a synchronous method and return the next non-heartbeat frame."""

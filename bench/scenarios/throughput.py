@@ -45,6 +45,7 @@ class Plan:
     batch: int
     max_backlog: int
     confirm_window: int = 0
+    consumer_procs: int = 1  # queues are split evenly across this many consumer processes
     bindings: tuple[tuple[int, str], ...] = ()  # (queue index, binding key) for topic
     routing_keys: tuple[str, ...] = ()  # for topic
 
@@ -130,8 +131,11 @@ def run_plan(plan: Plan, target: Target, opts: RunOptions) -> tuple[list[Metric]
     workers = Workers()
     try:
         counters = CTX.RawArray("q", len(topo.queues))
-        consume = ConsumeSpec(target.url, topo.queues, 0, plan.prefetch, plan.ack_every)
-        workers.start(consumer_main, consume, counters)
+        per_proc = -(-len(topo.queues) // plan.consumer_procs)
+        for first in range(0, len(topo.queues), per_proc):
+            queues = topo.queues[first : first + per_proc]
+            workers.start(consumer_main, ConsumeSpec(target.url, queues, first, plan.prefetch, plan.ack_every, float(__import__("os").environ.get("RI", "0.001"))),
+                          counters)
         publish = PublishSpec(
             target.url, topo.exchange, topo.routing_keys, topo.reach, plan.body_size, plan.delivery_mode,
             plan.batch, plan.max_backlog, plan.confirm_window,
@@ -148,7 +152,7 @@ def run_plan(plan: Plan, target: Target, opts: RunOptions) -> tuple[list[Metric]
         workers.sleep_until(end_at)
         t1, c1 = time.monotonic(), sum(counters)
         cpu_split = cpu.stop_dict()
-        consumer_info, producer_info = workers.collect(timeout=15)
+        *consumer_infos, producer_info = workers.collect(timeout=15)
     finally:
         workers.stop()
         problems = loop.run(_cleanup(target, topo))
@@ -158,7 +162,7 @@ def run_plan(plan: Plan, target: Target, opts: RunOptions) -> tuple[list[Metric]
     metrics = [Metric("delivered", rate, "msg/s")]
     if plan.body_size >= MIB:
         metrics.append(Metric("delivered", rate * plan.body_size / MIB, "MiB/s"))
-    notes: dict[str, object] = {**producer_info, "delivered_total": consumer_info["delivered"], "cpu": cpu_split}
+    notes: dict[str, object] = {**producer_info, "delivered_total": [n for info in consumer_infos for n in info["delivered"]], "cpu": cpu_split}
     if problems:
         notes["cleanup_problems"] = problems
     return metrics, notes
