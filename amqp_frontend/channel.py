@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import base64
 import os
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from typing import TYPE_CHECKING, Any
 
 from pamqp import commands
@@ -59,6 +59,9 @@ class Channel:
         self.confirm = False
         self.publish_seq = 0
         self.confirmed_upto = 0
+        # Publishes after the first one that waits for the store: [seq, outcome];
+        # outcome None = not known yet, True = ack, False = nack.
+        self._waiting: deque[list[Any]] = deque()
         # Deliveries.
         self.next_tag = 1
         self.unacked: OrderedDict[int, Unacked] = OrderedDict()
@@ -229,11 +232,13 @@ class Channel:
         routing_key = message.routing_key
         accepted = True
         routed = True
+        stored = False
         if exchange is None:
             # The default exchange: the routing key names the queue.
             q = vhost.queues.get(routing_key)
             if q is not None:
                 accepted = q.enqueue(message)
+                stored = q.storage is not None
             elif routing_key.startswith(direct_reply.PREFIX):
                 routed = self.conn.broker.reply_to.deliver(routing_key, message)
             else:
@@ -244,6 +249,8 @@ class Channel:
             for q in queues:
                 if not q.enqueue(message):
                     accepted = False
+                elif q.storage is not None:
+                    stored = True
         if not routed and mandatory:
             self.conn.send_method(
                 self.number,
@@ -254,24 +261,54 @@ class Channel:
             self.conn.write_content(self.number, message.props, message.body)
         if self.confirm:
             self.publish_seq += 1
-            if accepted:
+            seq = self.publish_seq
+            if stored and accepted and message.summary.delivery_mode == 2:
+                # Confirm only once the store has committed it (group commit).
+                entry = [seq, None]
+                self._waiting.append(entry)
+                committer = self.conn.broker.committer
+                assert committer is not None
+                committer.when_committed(lambda error: self._store_outcome(entry, error))
+            elif self._waiting:
+                self._waiting.append([seq, accepted])
+                self.conn.confirm_pending(self)
+            elif accepted:
                 self.conn.confirm_pending(self)
             else:
                 # x-overflow reject-publish: nack this one, after acking all before it.
-                self.flush_confirms(upto=self.publish_seq - 1)
-                self.conn.write(
-                    codec.encode_method(self.number, commands.Basic.Nack(delivery_tag=self.publish_seq))
-                )
-                self.confirmed_upto = self.publish_seq
+                self._ack_upto(seq - 1)
+                self._nack(seq)
 
-    def flush_confirms(self, upto: int | None = None) -> None:
-        """Send one (multiple) ack for every publish confirmed since the last one."""
-        if upto is None:
-            upto = self.publish_seq
-        if upto > self.confirmed_upto and not self.closing:
+    def _store_outcome(self, entry: list[Any], error: BaseException | None) -> None:
+        entry[1] = error is None
+        if not self.closing:
+            self.conn.confirm_pending(self)
+
+    def flush_confirms(self) -> None:
+        """Acks (multiple=true) for every publish settled since the last flush, nacks where refused.
+
+        Publishes that wait for the store hold back the acks of later ones, so a
+        multiple ack never covers a message that is not committed yet.
+        """
+        if self.closing:
+            return
+        waiting = self._waiting
+        while waiting and waiting[0][1] is not None:
+            seq, ok = waiting.popleft()
+            if not ok:
+                self._ack_upto(seq - 1)
+                self._nack(seq)
+        self._ack_upto(waiting[0][0] - 1 if waiting else self.publish_seq)
+
+    def _ack_upto(self, upto: int) -> None:
+        if upto > self.confirmed_upto:
             multiple = upto - self.confirmed_upto > 1
             self.confirmed_upto = upto
             self.conn.write(_basic_ack_frame(self.number, upto, multiple))
+
+    def _nack(self, seq: int) -> None:
+        self.conn.write(codec.encode_method(self.number, commands.Basic.Nack(delivery_tag=seq)))
+        self.confirmed_upto = seq
 
     # ------------------------------------------------------- direct reply-to
     def _direct_reply_props(self, props: bytes) -> bytes:
@@ -450,6 +487,13 @@ class Channel:
     def _queue_declare(self, m: commands.Queue.Declare) -> None:
         assert self.vhost is not None
         name = m.queue
+        if name == direct_reply.PSEUDO_QUEUE or name.startswith(direct_reply.PREFIX):
+            # RPC servers declare a reply address to see whether the requester is still there.
+            if name != direct_reply.PSEUDO_QUEUE and not self.conn.broker.reply_to.is_live(name):
+                raise NotFound(f"no queue '{name}' in vhost '{self.vhost.name}'")
+            if not m.nowait:
+                self._reply(commands.Queue.DeclareOk(queue=name, message_count=0, consumer_count=1))
+            return
         if m.passive and not name:
             name = self._queue_name("")
         q = self.vhost.declare_queue(
@@ -633,7 +677,20 @@ class Channel:
                 self._settle_entries(entries)
             else:
                 self._return_entries(entries, requeue=outcome == "requeue")
-        self._reply(commands.Tx.CommitOk())
+        committer = self.conn.broker.committer
+        if committer is None:
+            self._reply(commands.Tx.CommitOk())
+            return
+
+        def committed(error: BaseException | None) -> None:
+            if self.closing:
+                return
+            if error is None:
+                self._reply(commands.Tx.CommitOk())
+            else:
+                self.conn.fail_channel(self, PreconditionFailed(f"tx.commit failed in the store: {error}"), 90, 20)
+
+        committer.when_committed(committed)
 
     def _tx_rollback(self, m: commands.Tx.Rollback) -> None:
         if self.tx is None:

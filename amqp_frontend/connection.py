@@ -149,6 +149,7 @@ class Connection:
         self.write(codec.encode_method(channel, method))
 
     def data_to_send(self) -> bytes:
+        self.flush_confirms()  # confirms that became due outside receive_data (store commits)
         self._output_signalled = False
         if not self._out:
             return b""
@@ -412,6 +413,8 @@ class Connection:
 
     def _channel_method_decoded(self, number: int, ch: Channel | None, method: Method) -> None:
         class_id, method_id = method.index >> 16, method.index & 0xFFFF
+        if ch is not None and ch.closing and not isinstance(method, (commands.Channel.Close, commands.Channel.CloseOk)):
+            return  # everything but close/close-ok is dropped after we closed the channel
         if isinstance(method, commands.Channel.Open):
             if ch is not None:
                 raise ChannelError(f"second 'channel.open' seen on channel {number}")
@@ -448,6 +451,12 @@ class Connection:
                 exc.class_id = class_id  # type: ignore[attr-defined]
                 exc.method_id = method_id  # type: ignore[attr-defined]
                 raise
+
+    def fail_channel(self, ch: Channel, exc: BrokerError, class_id: int, method_id: int) -> None:
+        """A channel error found outside receive_data (a store failure after the fact)."""
+        if ch.closing or self.channels.get(ch.number) is not ch:
+            return
+        self._close_channel(ch, exc, class_id, method_id)
 
     def _close_channel(self, ch: Channel, exc: BrokerError, class_id: int, method_id: int) -> None:
         log.info(

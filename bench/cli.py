@@ -26,6 +26,9 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--duration", type=float, default=5.0, help="measured seconds per scenario (default 5)")
     p.add_argument("--warmup", type=float, default=1.0, help="unmeasured seconds before that (default 1)")
     p.add_argument("--idle-connections", type=int, default=500, help="connections for idle_conn_memory")
+    p.add_argument("--repeat", type=int, default=1,
+                   help="run each scenario N times per broker and keep the run least disturbed by other "
+                        "processes (default 1)")
     p.add_argument("--json", metavar="PATH", help="also write results as JSON")
     return p
 
@@ -50,11 +53,13 @@ def main(argv: list[str] | None = None) -> int:
         targets = parse_targets(args.url, args.pid)
     except ValueError as exc:
         parser.error(str(exc))
-    if args.duration <= 0 or args.warmup < 0:
-        parser.error("--duration must be > 0 and --warmup >= 0")
-    scenarios: list[str] = list(dict.fromkeys(args.scenario or SCENARIOS))  # keep order, drop repeats
+    if args.duration <= 0 or args.warmup < 0 or args.repeat < 1:
+        parser.error("--duration must be > 0, --warmup >= 0, --repeat >= 1")
+    # Always registry order: idle_conn_memory must run before the scenarios that
+    # grow the broker's heap, or RSS reuses freed memory and the delta reads ~0.
+    scenarios = [name for name in SCENARIOS if not args.scenario or name in args.scenario]
     opts = RunOptions(duration=args.duration, warmup=args.warmup, idle_connections=args.idle_connections)
-    outcomes = run_all(scenarios, targets, opts)
+    outcomes = run_all(scenarios, targets, opts, repeat=args.repeat)
     print(render_table(scenarios, targets, outcomes, opts))
     if args.json:
         write_json(args.json, to_json(scenarios, targets, outcomes, opts))

@@ -137,20 +137,20 @@ class FrameScanner:
     def feed(self, data: bytes) -> list[bytes]:
         """Consume ``data``; return the raw frames that need the slow path."""
         slow: list[bytes] = []
+        pos = 0
         if self._skip:
             if len(data) <= self._skip:
                 self._skip -= len(data)
                 return slow
-            data = data[self._skip :]
-            self._skip = 0
-        if self._tail:
+            # Start past the skipped bytes rather than slicing: no copy of a large read.
+            pos, self._skip = self._skip, 0
+        elif self._tail:  # never both: a pending skip leaves no tail
             data = self._tail + data
             self._tail = b""
         unpack_hdr = _FRAME_HDR.unpack_from
         unpack_u32 = _U32.unpack_from
         capture = self.capture_bodies
         n = len(data)
-        pos = 0
         deliveries = 0
         last_deliver = -1
         while n - pos >= 7:

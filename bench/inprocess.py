@@ -15,8 +15,8 @@ import gc
 import pstats
 import time
 
-from pamqp import commands, frame, header
 from pamqp import body as pbody
+from pamqp import commands, frame, header
 
 from amqp_frontend.connection import Connection
 from core.broker import Broker

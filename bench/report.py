@@ -86,8 +86,13 @@ def render_table(scenarios: list[str], targets: list[Target], outcomes: Outcomes
         for (scenario, name), o in outcomes.items()
         if o.notes.get("cleanup_problems")
     ]
-    if problems or cleanup:
-        lines += ["", "not measured / problems:", *problems, *cleanup]
+    routing = [
+        f"  {scenario} on {name}: ROUTING: {o.notes['routing_problem']}"
+        for (scenario, name), o in outcomes.items()
+        if o.notes.get("routing_problem")
+    ]
+    if problems or cleanup or routing:
+        lines += ["", "not measured / problems:", *problems, *routing, *cleanup]
     cpu_lines = [_cpu_line(scenario, name, cpu) for (scenario, name), o in outcomes.items()
                  if isinstance(cpu := o.notes.get("cpu"), dict)]
     if cpu_lines:

@@ -51,7 +51,7 @@ class ConsumeSpec:
     first_counter: int  # this process owns counters[first_counter : first_counter + len(queues)]
     prefetch: int
     ack_every: int  # 0: no-ack consumer
-    read_interval: float = 0.001  # see Connection.read_interval
+    read_interval: float = 0.002  # see Connection.read_interval
 
 
 Counters = Any  # multiprocessing RawArray('q'); untyped in typeshed
@@ -136,8 +136,13 @@ async def _produce(spec: PublishSpec, counters: Counters, pipe: Pipe) -> dict[st
         await conn.drain()
         # Yield every block so acks/confirms/closes from the broker get read.
         await asyncio.sleep(0)
-    info = {"published": published, "confirmed": confirms.confirmed, "nacked": confirms.nacked,
-            "backlog_waits": backlog_waits}
+    info = {
+        "published": published,
+        "confirmed": confirms.confirmed,
+        "nacked": confirms.nacked,
+        "backlog_waits": backlog_waits,
+        "expected_per_queue": [expected.get(q, 0) for q in range(len(counters))],
+    }
     await conn.close()
     return info
 

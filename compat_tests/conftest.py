@@ -81,14 +81,22 @@ def amqp_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     stdout_path = workdir / "stdout.log"
     stderr_path = workdir / "stderr.log"
     cmd = [
-        _python(), "-m", "leveret", "serve",
-        "--bind", "127.0.0.1",
-        "--amqp-port", str(amqp_port),
-        "--grpc-port", str(grpc_port),
-        "--data-dir", str(data_dir),
+        _python(),
+        "-m",
+        "leveret",
+        "serve",
+        "--bind",
+        "127.0.0.1",
+        "--amqp-port",
+        str(amqp_port),
+        "--grpc-port",
+        str(grpc_port),
+        "--data-dir",
+        str(data_dir),
     ]
     with open(stdout_path, "wb") as out, open(stderr_path, "wb") as err:
         proc = subprocess.Popen(cmd, cwd=REPO_ROOT, stdout=out, stderr=err)
+    started = False
     try:
         deadline = time.monotonic() + STARTUP_TIMEOUT
         while True:
@@ -108,10 +116,11 @@ def amqp_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
                     pytrace=False,
                 )
             time.sleep(0.05)
+        started = True
         yield f"amqp://guest:guest@127.0.0.1:{amqp_port}/"
     finally:
         _stop(proc)
-        if proc.returncode not in (0, -signal.SIGTERM):
+        if started and proc.returncode not in (0, -signal.SIGTERM):
             sys.stderr.write(
                 f"\nleveret node exited with {proc.returncode}; stderr tail:\n"
                 f"{stderr_path.read_text(errors='replace')[-5000:]}\n"

@@ -171,7 +171,7 @@ async def test_message_properties_round_trip(robust: aio_pika.abc.AbstractRobust
     channel = await robust.channel()
     queue = await channel.declare_queue(exclusive=True)
     timestamp = datetime.datetime(2024, 5, 6, 7, 8, 9, tzinfo=datetime.UTC)
-    headers = {
+    headers: dict[str, aio_pika.abc.FieldValue] = {
         "float": 1.25,
         "int": 7,
         "big": 2**45,

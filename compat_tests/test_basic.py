@@ -61,7 +61,7 @@ def _ready(ch: BlockingChannel, queue: str) -> int:
 
 
 def _get_all(ch: BlockingChannel, queue: str) -> list[tuple[bytes, bool]]:
-    out = []
+    out: list[tuple[bytes, bool]] = []
     while True:
         method, _props, body = ch.basic_get(queue, auto_ack=True)
         if method is None:
@@ -371,7 +371,7 @@ def test_server_generated_consumer_tag(raw: RawFactory) -> None:
     queue = client.rpc(commands.Queue.Declare(queue="", exclusive=True)).queue
     ok = client.rpc(commands.Basic.Consume(queue=queue, consumer_tag=""))
     assert isinstance(ok, commands.Basic.ConsumeOk)
-    assert ok.consumer_tag.startswith("amq.ctag-")
+    assert ok.consumer_tag is not None and ok.consumer_tag.startswith("amq.ctag-")
     other = client.rpc(commands.Basic.Consume(queue=queue, consumer_tag=""))
     assert other.consumer_tag.startswith("amq.ctag-") and other.consumer_tag != ok.consumer_tag
     client.publish(1, b"hello", routing_key=queue)
@@ -807,9 +807,7 @@ def test_user_id_must_match(channel: BlockingChannel) -> None:
     queue = _queue(channel)
     channel.basic_publish("", queue, b"ok", pika.BasicProperties(user_id="guest"))
     assert channel.basic_get(queue, auto_ack=True)[1].user_id == "guest"
-    with channel_error(
-        406, "PRECONDITION_FAILED - user_id property set to 'bob' but authenticated user was 'guest'"
-    ):
+    with channel_error(406, "PRECONDITION_FAILED - user_id property set to 'bob' but authenticated user was 'guest'"):
         channel.basic_publish("", queue, b"spoofed", pika.BasicProperties(user_id="bob"))
         sync(channel)
 

@@ -188,9 +188,7 @@ def test_delete_if_unused(connection: pika.BlockingConnection, names: Names) -> 
         connection.channel().exchange_declare(name, passive=True)
 
 
-def test_delete_if_unused_counts_exchange_bindings_as_source(
-    connection: pika.BlockingConnection, names: Names
-) -> None:
+def test_delete_if_unused_counts_exchange_bindings_as_source(connection: pika.BlockingConnection, names: Names) -> None:
     source, destination = names.exchange(), names.exchange()
     ch = connection.channel()
     ch.exchange_declare(source, "fanout")
@@ -232,9 +230,7 @@ def test_auto_delete_exchange(connection: pika.BlockingConnection, names: Names)
         ch.exchange_declare(name, passive=True)
 
 
-def test_auto_delete_exchange_removed_with_last_bound_queue(
-    connection: pika.BlockingConnection, names: Names
-) -> None:
+def test_auto_delete_exchange_removed_with_last_bound_queue(connection: pika.BlockingConnection, names: Names) -> None:
     name = names.exchange()
     ch = connection.channel()
     ch.exchange_declare(name, "fanout", auto_delete=True)

@@ -7,11 +7,16 @@ import hmac
 import ipaddress
 import os
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from core.clock import AsyncioScheduler, Scheduler
 from core.direct_reply import ReplyRegistry
 from core.errors import AccessRefused, NotAllowed
 from core.vhost import VirtualHost
+
+if TYPE_CHECKING:
+    from core.durability import Durability
+    from core.group_commit import GroupCommitter
 
 
 def _hash(password: str, salt: bytes) -> bytes:
@@ -59,6 +64,8 @@ class Broker:
         self.vhosts: dict[str, VirtualHost] = {}
         self.users: dict[str, User] = {}
         self.reply_to = ReplyRegistry()
+        self.durability: Durability | None = None  # set when a store is configured
+        self.committer: GroupCommitter | None = None
         # Set by the node's memory monitor; the front ends stop reading from publishers.
         self.memory_alarm = False
         self.add_vhost("/")
@@ -71,6 +78,7 @@ class Broker:
         vh = self.vhosts.get(name)
         if vh is None:
             vh = self.vhosts[name] = VirtualHost(name, self.scheduler)
+            vh.durability = self.durability
         return vh
 
     def add_user(

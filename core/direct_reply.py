@@ -31,6 +31,9 @@ class ReplyRegistry:
     def unregister(self, token: str) -> None:
         self._receivers.pop(token, None)
 
+    def is_live(self, address: str) -> bool:
+        return address[len(PREFIX):] in self._receivers
+
     def deliver(self, routing_key: str, message: Message) -> bool:
         """True when the reply address is live (the message went to its consumer)."""
         receiver = self._receivers.get(routing_key[len(PREFIX):])

@@ -209,7 +209,8 @@ def _ring_hash(data: bytes) -> int:
 class ConsistentHashExchange(Exchange):
     """``x-consistent-hash``: spreads routing keys over bound queues by weight.
 
-    Each binding's routing key is its weight: that many points on a hash ring.
+    Each binding's routing key is its weight: that many times POINTS_PER_WEIGHT
+    points on a hash ring (a single point per queue spreads keys very unevenly).
     A message goes to the owner of the first point at or after the hash of its
     routing key (or of the header / property named by the exchange's
     ``hash-header`` / ``hash-property`` argument), so one key always lands on
@@ -217,6 +218,7 @@ class ConsistentHashExchange(Exchange):
     """
 
     type = "x-consistent-hash"
+    POINTS_PER_WEIGHT = 64
     _PROPERTIES = ("message_id", "correlation_id", "timestamp")
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
@@ -243,7 +245,7 @@ class ConsistentHashExchange(Exchange):
     def _rebuild(self) -> None:
         points: list[tuple[int, str, Destination]] = []
         for b in self.bindings.values():
-            for i in range(int(b.routing_key)):
+            for i in range(int(b.routing_key) * self.POINTS_PER_WEIGHT):
                 points.append((_ring_hash(f"{b.key[0]}:{b.destination.name}:{i}".encode()), b.destination.name,
                                b.destination))
         points.sort(key=lambda p: (p[0], p[1]))

@@ -29,6 +29,7 @@ class Message:
         "timestamp",
         "_headers",
         "wire_cache",
+        "_id",
     )
 
     def __init__(
@@ -52,11 +53,18 @@ class Message:
         # Owned by a front end: its encoding of this message, reused when the
         # message goes out more than once (fanout, redelivery).
         self.wire_cache: Any = None
+        self._id: str | None = None
 
     @property
     def id(self) -> str:
         """Unique id; consumers use it to drop duplicates after a failover."""
-        return f"{self.node}-{self.timestamp:.0f}-{self.seq}"
+        if self._id is None:
+            self._id = f"{self.node}-{self.timestamp:.0f}-{self.seq}"
+        return self._id
+
+    @id.setter
+    def id(self, value: str) -> None:
+        self._id = value
 
     @property
     def persistent(self) -> bool:
@@ -76,7 +84,7 @@ class Message:
 class QueuedMessage:
     """One message in one queue: its offset there, and how often it went out."""
 
-    __slots__ = ("message", "offset", "redelivered", "delivery_count", "expires_at")
+    __slots__ = ("message", "offset", "redelivered", "delivery_count", "expires_at", "persisted")
 
     def __init__(self, message: Message, offset: int) -> None:
         self.message = message
@@ -84,6 +92,7 @@ class QueuedMessage:
         self.redelivered = False
         self.delivery_count = 0
         self.expires_at: float | None = None  # wall-clock seconds; None never expires
+        self.persisted = False  # in the store: leaving the queue must remove it there
 
     def copy(self) -> QueuedMessage:
         """The same message at the same offset, for another channel of the queue."""

@@ -12,13 +12,16 @@ from __future__ import annotations
 
 from collections import deque
 from collections.abc import Callable, Iterable
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 from core.clock import AsyncioScheduler, Scheduler, TimerHandle
 from core.errors import AccessRefused
 from core.message import Message, QueuedMessage
 from core.queue_args import QueueArgs
 from core.ready import PriorityReady, requeue_into
+
+if TYPE_CHECKING:
+    from core.durability import QueueStorage
 
 # Why a message left a queue without being acknowledged (x-death "reason").
 REJECTED = "rejected"
@@ -92,6 +95,20 @@ class QueueChannel:
 
     # -- arrival ---------------------------------------------------------------
     def push(self, qm: QueuedMessage) -> None:
+        if self.consumers and not self.ready and not self._dispatching:
+            # Nothing waits ahead of it: hand it straight to a consumer with
+            # credit. Such a message is never expired, as in RabbitMQ, where a
+            # TTL of 0 means "deliver now or never".
+            c = self._pick()
+            if c is not None:
+                qm.delivery_count += 1
+                if not c.no_ack:
+                    self.unacked += 1
+                    c.unacked += 1
+                elif qm.persisted:
+                    self.queue.forget(qm)
+                c.sink.deliver(c, qm)
+                return
         self.ready.append(qm)
         self.ready_bytes += len(qm.message.body)
         if self.consumers and not self._dispatching:
@@ -154,12 +171,14 @@ class QueueChannel:
                 qm = ready.popleft()
                 self.ready_bytes -= len(qm.message.body)
                 if qm.expires_at is not None and qm.expires_at <= queue.scheduler.now():
-                    queue.dead_letter([qm], EXPIRED)
+                    queue.drop([qm], EXPIRED)
                     continue
                 qm.delivery_count += 1
                 if not c.no_ack:
                     self.unacked += 1
                     c.unacked += 1
+                elif qm.persisted:
+                    queue.forget(qm)
                 c.sink.deliver(c, qm)
         finally:
             self._dispatching = False
@@ -174,6 +193,8 @@ class QueueChannel:
         qm.delivery_count += 1
         if not no_ack:
             self.unacked += 1
+        elif qm.persisted:
+            self.queue.forget(qm)
         return qm
 
     # -- expiry ----------------------------------------------------------------
@@ -192,7 +213,7 @@ class QueueChannel:
             self.ready_bytes -= len(head.message.body)
             expired.append(head)
         if expired:
-            self.queue.dead_letter(expired, EXPIRED)
+            self.queue.drop(expired, EXPIRED)
         self._arm_expiry()
 
     def _arm_expiry(self) -> None:
@@ -220,6 +241,8 @@ class QueueChannel:
         self.unacked -= 1
         if consumer is not None:
             consumer.unacked -= 1
+        if qm.persisted:
+            self.queue.forget(qm)
 
     def discard(self, items: Iterable[tuple[QueuedMessage, Consumer | None]]) -> None:
         """Rejected without requeue: settle, and dead-letter where the queue says so."""
@@ -228,7 +251,7 @@ class QueueChannel:
             self.settle(qm, consumer)
             dropped.append(qm)
         if dropped and not self.queue.deleted:
-            self.queue.dead_letter(dropped, REJECTED)
+            self.queue.dead_letter(dropped, REJECTED)  # settle already removed them from the store
         self.dispatch()
 
     def requeue(self, items: Iterable[tuple[QueuedMessage, Consumer | None]]) -> None:
@@ -243,6 +266,8 @@ class QueueChannel:
             qm.redelivered = True
             back.append(qm)
             self.ready_bytes += len(qm.message.body)
+            if qm.persisted:
+                self.queue.storage.delivery_count(qm)  # type: ignore[union-attr]
         if not back:
             return
         back.sort(key=_offset)
@@ -281,6 +306,10 @@ class QueueChannel:
 
     def purge(self) -> int:
         n = len(self.ready)
+        if self.queue.storage is not None:
+            for qm in self.ready:
+                if qm.persisted:
+                    self.queue.forget(qm)
         self.ready.clear()
         self.ready_bytes = 0
         return n
@@ -338,6 +367,8 @@ class Queue:
         self._ttl_ms = a.message_ttl
         self._limited = a.max_length is not None or a.max_length_bytes is not None
         self._expires_timer: TimerHandle | None = None
+        # Set by core.durability for durable queues when a store is configured.
+        self.storage: QueueStorage | None = None
         self.touch()
 
     @property
@@ -370,6 +401,9 @@ class Queue:
         qm = QueuedMessage(message, offset)
         if self._ttl_ms is not None or message.summary.expiration is not None:
             qm.expires_at = self._expiry_of(message)
+        if self.storage is not None and message.summary.delivery_mode == 2:
+            qm.persisted = True
+            self.storage.append(qm)
         channels = self.channels
         if len(channels) == 1:
             channels[0].push(qm)
@@ -398,7 +432,31 @@ class Queue:
             ):
                 dropped.append(ch.drop_head())
             if dropped:
-                self.dead_letter(dropped, MAXLEN)
+                self.drop(dropped, MAXLEN)
+
+    def forget(self, qm: QueuedMessage) -> None:
+        """``qm`` left the queue for good: remove it from the store."""
+        qm.persisted = False
+        if self.storage is not None:
+            self.storage.remove(qm)
+
+    def drop(self, messages: list[QueuedMessage], reason: str) -> None:
+        """Ready messages removed by the queue itself (expiry, overflow)."""
+        for qm in messages:
+            if qm.persisted:
+                self.forget(qm)
+        self.dead_letter(messages, reason)
+
+    def restore(self, message: Message, offset: int, expires_at: float | None, delivery_count: int) -> None:
+        """A message loaded from the store at start-up: back in place, redelivered."""
+        qm = QueuedMessage(message, offset)
+        qm.expires_at = expires_at
+        qm.delivery_count = delivery_count
+        qm.redelivered = True
+        qm.persisted = True
+        self.next_offset = max(self.next_offset, offset + 1)
+        for ch in self.channels:
+            ch.push(qm if ch is self.channels[0] else qm.copy())
 
     def dead_letter(self, messages: list[QueuedMessage], reason: str) -> None:
         """Messages leave without an ack: to the dead-letter exchange if there is one."""

@@ -1,37 +1,141 @@
 """The seam where durable storage plugs into the core (implemented in persistence/).
 
-Only persistent messages on durable queues reach a store. Every write names
-the queue's epoch, the fencing token of DESIGN.md: a store refuses a write
-whose epoch is no longer the queue's, and the caller then stops serving it.
+Only persistent messages (delivery_mode 2) on durable queues, and durable
+topology, reach a store. Every message write names the queue's epoch, the
+fencing token of DESIGN.md: a store refuses a batch for a queue whose epoch has
+moved on (``Fenced``), and the caller then stops serving that queue.
+
+All methods are coroutines; the group committer (core/group_commit.py) is the
+only caller on the hot path and hands the store whole batches.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Protocol
+from dataclasses import dataclass, field
+from typing import Any, Protocol
 
-from core.message import QueuedMessage
+
+class StoreError(Exception):
+    """The store failed (unreachable, I/O error): the batch was not committed."""
 
 
-class StoredQueue(Protocol):
+class Fenced(StoreError):
+    """A newer owner holds these queues: (vhost, queue) pairs."""
+
+    def __init__(self, queues: Sequence[tuple[str, str]]) -> None:
+        super().__init__(f"fenced out of {len(queues)} queue(s): " + ", ".join(f"{v}/{q}" for v, q in queues))
+        self.queues = list(queues)
+
+
+@dataclass
+class ExchangeRecord:
     vhost: str
     name: str
-    epoch: int
+    type: str
+    auto_delete: bool = False
+    internal: bool = False
+    arguments: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass
+class QueueRecord:
+    vhost: str
+    name: str
+    auto_delete: bool = False
+    arguments: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass
+class BindingRecord:
+    vhost: str
+    source: str
+    destination_kind: str  # "queue" or "exchange"
+    destination: str
+    routing_key: str
+    arguments: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass
+class Topology:
+    exchanges: list[ExchangeRecord] = field(default_factory=list)
+    queues: list[QueueRecord] = field(default_factory=list)
+    bindings: list[BindingRecord] = field(default_factory=list)
+
+
+@dataclass
+class StoredMessage:
+    """One persistent message in one durable queue, as the store keeps it."""
+
+    vhost: str
+    queue: str
+    offset: int
+    message_id: str
+    exchange: str
+    routing_key: str
+    properties: bytes
+    body: bytes
+    enqueued_at: float
+    expires_at: float | None
+    delivery_count: int = 0
+
+
+@dataclass
+class Batch:
+    """One group commit: what to add, remove and update, per fenced queue."""
+
+    epochs: dict[tuple[str, str], int] = field(default_factory=dict)  # (vhost, queue) -> writer's epoch
+    appends: list[StoredMessage] = field(default_factory=list)
+    removals: list[tuple[str, str, int]] = field(default_factory=list)  # (vhost, queue, offset)
+    delivery_counts: list[tuple[str, str, int, int]] = field(default_factory=list)  # (vhost, queue, offset, n)
+    purges: list[tuple[str, str]] = field(default_factory=list)  # (vhost, queue): drop every message
+
+    def __len__(self) -> int:
+        return len(self.appends) + len(self.removals) + len(self.delivery_counts) + len(self.purges)
 
 
 class MessageStore(Protocol):
-    async def fence(self, vhost: str, queue: str, epoch: int) -> bool:
-        """Claim ``queue`` for ``epoch``; False when a newer epoch holds it."""
+    description: str  # for logs and errors: backend and location, never a password
+
+    async def open(self) -> None:
+        """Connect and apply migrations; raise StoreError naming the location when unreachable."""
         ...
 
-    async def append(self, queue: StoredQueue, messages: Sequence[QueuedMessage]) -> None:
-        """Durably add messages (one group commit); raises when fenced out."""
+    async def close(self) -> None: ...
+
+    # -- topology (rare, small) ------------------------------------------------
+    async def load_topology(self) -> Topology: ...
+
+    async def save_exchange(self, record: ExchangeRecord) -> None: ...
+
+    async def delete_exchange(self, vhost: str, name: str) -> None:
+        """Also deletes bindings from and to it."""
         ...
 
-    async def remove(self, queue: StoredQueue, offsets: Sequence[int]) -> None:
-        """Durably drop settled messages (grouped like appends)."""
+    async def save_queue(self, record: QueueRecord) -> None: ...
+
+    async def delete_queue(self, vhost: str, name: str) -> None:
+        """Also deletes its messages, bindings to it and its epoch row."""
         ...
 
-    async def load(self, queue: StoredQueue) -> Sequence[QueuedMessage]:
-        """The backlog of a queue, in offset order, for a new owner."""
+    async def save_binding(self, record: BindingRecord) -> None: ...
+
+    async def delete_binding(self, record: BindingRecord) -> None: ...
+
+    # -- ownership and messages --------------------------------------------------
+    async def claim(self, vhost: str, queue: str, epoch: int | None = None) -> int:
+        """Fence the queue for a new owner and return its epoch.
+
+        With ``epoch`` (cluster mode: the etcd create revision) the row moves to
+        it only if it is newer (``Fenced`` otherwise); without (single node)
+        the stored epoch is bumped by one.
+        """
+        ...
+
+    async def load_messages(self, vhost: str, queue: str) -> list[StoredMessage]:
+        """The queue's backlog in offset order."""
+        ...
+
+    async def commit(self, batch: Batch) -> None:
+        """Apply a batch atomically; Fenced if any queue's epoch moved on."""
         ...

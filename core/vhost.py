@@ -6,7 +6,7 @@ import base64
 import logging
 import os
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from core import dead_letter
 from core.clock import AsyncioScheduler, Scheduler
@@ -15,6 +15,9 @@ from core.exchange import Binding, Destination, Exchange, make_exchange
 from core.message import Message, QueuedMessage
 from core.queue import Queue
 from core.queue_args import parse_queue_args
+
+if TYPE_CHECKING:
+    from core.durability import Durability
 
 log = logging.getLogger("leveret.core")
 
@@ -48,6 +51,7 @@ class VirtualHost:
     def __init__(self, name: str, scheduler: Scheduler | None = None) -> None:
         self.name = name
         self.scheduler: Scheduler = scheduler or AsyncioScheduler()
+        self.durability: Durability | None = None
         self.exchanges: dict[str, Exchange] = {}
         self.queues: dict[str, Queue] = {}
         # Observers of queue deletion (channels tracking their last-declared queue, etc.).
@@ -87,6 +91,7 @@ class VirtualHost:
         auto_delete: bool = False,
         internal: bool = False,
         arguments: dict[str, Any] | None = None,
+        restoring: bool = False,
     ) -> Exchange:
         if name == "":
             raise AccessRefused("operation not permitted on the default exchange")
@@ -109,6 +114,8 @@ class VirtualHost:
                 type_, name, durable=durable, auto_delete=auto_delete, internal=internal, arguments=arguments
             )
             self.exchanges[name] = x
+            if self.durability is not None and not restoring:
+                self.durability.exchange_declared(self, x)
             log.debug("exchange declared", extra={"vhost": self.name, "exchange": name, "type": type_})
             return x
         self._check_equivalent(
@@ -136,6 +143,8 @@ class VirtualHost:
         x.deleted = True
         self.exchanges.pop(x.name, None)
         x.bindings.clear()
+        if self.durability is not None:
+            self.durability.exchange_deleted(self, x)
         # Bindings where this exchange is the destination go too.
         for other in list(self.exchanges.values()):
             for b in other.bindings_to(x):
@@ -151,6 +160,7 @@ class VirtualHost:
         exclusive: bool = False,
         auto_delete: bool = False,
         arguments: dict[str, Any] | None = None,
+        restoring: bool = False,
     ) -> Queue:
         if passive:
             return self.get_queue(name, owner)
@@ -176,6 +186,8 @@ class VirtualHost:
                 on_dead_letter=self._dead_letter,
             )
             self.queues[name] = q
+            if self.durability is not None:
+                self.durability.queue_declared(self, q, restoring)
             # Every queue is bound to the default exchange by its name; that
             # binding is implicit (see route), not stored.
             log.debug("queue declared", extra={"vhost": self.name, "queue": name})
@@ -233,11 +245,27 @@ class VirtualHost:
         for x in list(self.exchanges.values()):
             for b in x.bindings_to(q):
                 self._unbind(b)
+        if self.durability is not None:
+            self.durability.queue_deleted(self, q)
+        # Unacked messages acked after this must not write to a deleted queue.
+        q.storage = None
         count = q.delete()
         for observer in list(self.on_queue_deleted):
             observer(q)
         log.debug("queue deleted", extra={"vhost": self.name, "queue": q.name, "dropped": count})
         return count
+
+    def abandon_queue(self, name: str) -> None:
+        """Stop serving a queue another owner has taken (fenced): its stored data stays."""
+        q = self.queues.pop(name, None)
+        if q is None:
+            return
+        q.storage = None
+        for x in list(self.exchanges.values()):
+            for b in x.bindings_to(q):
+                x.remove_binding(b.key)
+        q.delete()
+        log.warning("queue abandoned: another owner holds it", extra={"vhost": self.name, "queue": name})
 
     def _queue_unused(self, q: Queue) -> None:
         self._drop_queue(q)
@@ -256,13 +284,14 @@ class VirtualHost:
         destination: Destination,
         routing_key: str,
         arguments: dict[str, Any] | None,
+        restoring: bool = False,
     ) -> None:
         if source == "":
-            raise AccessRefused(
-                "operation not permitted on the default exchange"
-            )
+            raise AccessRefused("operation not permitted on the default exchange")
         x = self.get_exchange(source)
-        x.add_binding(Binding(x, destination, routing_key, arguments))
+        b = Binding(x, destination, routing_key, arguments)
+        if x.add_binding(b) and self.durability is not None and not restoring:
+            self.durability.binding_changed(self, b, added=True)
 
     def unbind(self, source: str, destination: Destination, routing_key: str, arguments: dict[str, Any] | None) -> None:
         if source == "":
@@ -276,6 +305,8 @@ class VirtualHost:
     def _unbind(self, b: Binding) -> None:
         x = b.source
         x.remove_binding(b.key)
+        if self.durability is not None:
+            self.durability.binding_changed(self, b, added=False)
         if x.auto_delete and not x.bindings and not x.deleted:
             self._drop_exchange(x)
 

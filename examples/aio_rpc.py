@@ -150,6 +150,7 @@ class FibonacciRpcClient:
                 correlation_id=correlation_id,
                 reply_to=self.callback_queue.name,
                 content_type="text/plain",
+                expiration=timeout,  # seconds; a request nobody takes in time is dropped, not answered late
             )
             try:
                 await self.channel.default_exchange.publish(request, routing_key=self.queue_name, mandatory=True)

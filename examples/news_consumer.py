@@ -25,6 +25,7 @@ without a message, or on Ctrl-C; unacknowledged messages go back to the queue.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import signal
 import sys
@@ -33,6 +34,17 @@ import pika
 import pika.exceptions
 
 DEFAULT_URL = "amqp://guest:guest@127.0.0.1:5672/"
+
+
+def close_quietly(connection: pika.BlockingConnection) -> None:
+    """Close the connection, ignoring errors.
+
+    After Ctrl-C in the middle of an operation pika's state can be inconsistent and
+    close() may fail; the socket is closed when the process exits anyway.
+    """
+    if connection.is_open:
+        with contextlib.suppress(Exception):
+            connection.close()
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -102,11 +114,7 @@ def run(args: argparse.Namespace) -> int:
         print(f"done: {received} message(s) received", flush=True)
         return 0
     finally:
-        if connection.is_open:
-            try:
-                connection.close()
-            except pika.exceptions.AMQPError:
-                pass
+        close_quietly(connection)
 
 
 def main(argv: list[str] | None = None) -> int:

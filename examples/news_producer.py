@@ -20,6 +20,7 @@ when every message was confirmed, 1 when the broker refused one (nack or, with
 from __future__ import annotations
 
 import argparse
+import contextlib
 import itertools
 import json
 import os
@@ -32,6 +33,17 @@ import pika.exceptions
 
 DEFAULT_URL = "amqp://guest:guest@127.0.0.1:5672/"
 DEFAULT_KEYS = ["news.sport.uk", "news.politics.uk", "news.sport.us", "news.tech.eu", "news.weather.uk"]
+
+
+def close_quietly(connection: pika.BlockingConnection) -> None:
+    """Close the connection, ignoring errors.
+
+    After Ctrl-C in the middle of an operation pika's state can be inconsistent and
+    close() may fail; the socket is closed when the process exits anyway.
+    """
+    if connection.is_open:
+        with contextlib.suppress(Exception):
+            connection.close()
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -97,11 +109,7 @@ def run(args: argparse.Namespace) -> int:
         print(f"done: {sent} message(s) confirmed", flush=True)
         return 0
     finally:
-        if connection.is_open:
-            try:
-                connection.close()
-            except pika.exceptions.AMQPError:
-                pass
+        close_quietly(connection)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -22,6 +22,8 @@ class NodeConfig:
     frame_max: int = 131072
     channel_max: int = 2047
     max_message_size: int = 128 * 1024 * 1024
+    store: str = "sqlite"
+    postgres_dsn: str = ""
     memory_high_watermark: float = 0.4
     default_user: str = "guest"
     default_pass: str = "guest"
@@ -43,6 +45,8 @@ HELP = {
     "frame_max": "largest frame in bytes the server accepts",
     "channel_max": "most channels per connection",
     "max_message_size": "largest message body in bytes",
+    "store": "message store: sqlite (a file in --data-dir) or postgres (--postgres-dsn)",
+    "postgres_dsn": "Postgres connection string for --store postgres, e.g. postgresql://user:pw@host/db",
     "memory_high_watermark": "block publishers when messages waiting in queues take more than this: a fraction "
     "of RAM (<= 1) or bytes (> 1)",
     "default_user": "user created at start, allowed from loopback only (as RabbitMQ's guest)",

@@ -12,6 +12,9 @@ from pathlib import Path
 from amqp_frontend.connection import ServerSettings
 from amqp_frontend.server import AMQPServer
 from core.broker import Broker
+from core.durability import Durability
+from core.group_commit import GroupCommitter
+from core.store import MessageStore, StoreError
 from leveret import __version__
 from leveret.config import NodeConfig
 
@@ -24,6 +27,7 @@ class Node:
         self.broker = Broker(
             node_id=config.resolved_node_id, default_user=(config.default_user, config.default_pass)
         )
+        self.store: MessageStore | None = None
         self.amqp = AMQPServer(
             self.broker,
             ServerSettings(
@@ -35,6 +39,37 @@ class Node:
             ),
         )
 
+    def _make_store(self) -> MessageStore:
+        cfg = self.config
+        if cfg.store == "sqlite":
+            from persistence.sqlite import SQLiteStore
+
+            return SQLiteStore(str(Path(cfg.data_dir) / "leveret.sqlite3"))
+        if cfg.store == "postgres":
+            if not cfg.postgres_dsn:
+                raise StoreError("--store postgres needs --postgres-dsn (or LEVERET_POSTGRES_DSN)")
+            from persistence.postgres import PostgresStore
+
+            return PostgresStore(cfg.postgres_dsn)
+        raise StoreError(f"unknown store {cfg.store!r}; use sqlite or postgres")
+
+    async def _open_store(self) -> None:
+        store = self._make_store()
+        await store.open()
+        self.store = store
+        committer = GroupCommitter(store, on_fenced=self._fenced)
+        durability = Durability(store, committer)
+        self.broker.committer = committer
+        queues, messages = await durability.restore(self.broker)
+        log.info("store opened", extra={"store": store.description, "durable_queues": queues,
+                                        "messages_restored": messages})
+
+    def _fenced(self, queues: list[tuple[str, str]]) -> None:
+        for vhost, name in queues:
+            vh = self.broker.vhosts.get(vhost)
+            if vh is not None:
+                vh.abandon_queue(name)
+
     async def start(self) -> None:
         # Every message allocates a few GC-tracked objects; with the default
         # threshold (700) the collector ran ~30 % of the publish path in
@@ -44,6 +79,7 @@ class Node:
         gc.freeze()
         gc.set_threshold(50_000, 20, 100)
         Path(self.config.data_dir).mkdir(parents=True, exist_ok=True)
+        await self._open_store()
         await self.amqp.start(self.config.bind, self.config.amqp_port)
         self._monitor = asyncio.create_task(self._watch_memory())
         log.info(
@@ -88,6 +124,10 @@ class Node:
         log.info("node stopping", extra={"node": self.broker.node_id, "connections": len(self.amqp.connections)})
         self._monitor.cancel()
         await self.amqp.stop()
+        if self.broker.committer is not None:
+            await self.broker.committer.drain()
+        if self.store is not None:
+            await self.store.close()
         log.info("node stopped", extra={"node": self.broker.node_id})
 
     async def run_until_signalled(self) -> None:

@@ -165,12 +165,6 @@ def test_direct_reply_to_cancel(client: Client) -> None:
     assert channel_close(client.read(), 1).reply_code == 406
 
 
-@pytest.mark.xfail(
-    reason="BUG: queue.declare of 'amq.rabbitmq.reply-to' (or of a live 'amq.rabbitmq.reply-to.<token>') is "
-    "refused (403 reserved prefix, or 404 when passive); RabbitMQ 3.x answers declare-ok with 0 messages and "
-    "1 consumer, and 404 only for a dead token — RPC servers use it to check the requester is still there",
-    strict=True,
-)
 def test_direct_reply_to_declare(broker: Broker) -> None:
     requester = connected(broker)
     server = connected(broker, channels=(1, 2, 3))

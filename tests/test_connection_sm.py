@@ -332,13 +332,6 @@ def test_body_frame_larger_than_frame_max_501_general_path(broker: Broker) -> No
     assert broker.vhosts["/"].queues["q"].message_count == 0
 
 
-WHOLE_PUBLISH_BUG = (
-    "BUG: Connection._whole_publish (the one-call publish fast path) checks neither the header/body frame "
-    "sizes against frame_max nor the body size against settings.max_message_size; only the frame-by-frame "
-    "path (Connection._process / Channel.content_header) does"
-)
-
-
 def test_body_frame_larger_than_frame_max_501(broker: Broker) -> None:
     c = Client(broker)
     c.handshake(frame_max=4096)
@@ -838,21 +831,30 @@ def test_recover_redelivers_to_consumer(client: Client) -> None:
 
 
 def test_heartbeat_sent_when_idle_and_missed_heartbeats_close() -> None:
-    c = Client(Broker())
+    t = 1000.0
+    c = Client(Broker(), now=t)
     c.handshake(heartbeat=1)
-    t = time.monotonic()
-    c.conn.tick(t)
+    c.tick(t + 0.1)
     assert c.read() == []  # just wrote Open-Ok: nothing due yet
-    c.conn.tick(t + 0.6)
+    c.tick(t + 0.6)
     frames = c.read()
     assert len(frames) == 1 and isinstance(frames[0][1], Heartbeat) and frames[0][0] == 0
     assert not c.conn.should_close
     # The client's heartbeat keeps it alive ...
     c.send_raw(frame.marshal(Heartbeat(), 0), now=t + 1.5)
-    c.conn.tick(t + 3.0)
+    c.tick(t + 3.0)
     assert not c.conn.should_close
     # ... and more than two intervals of silence ends it.
-    c.conn.tick(t + 3.6)
+    c.tick(t + 3.6)
+    assert c.conn.should_close
+
+
+def test_heartbeat_with_the_real_clock() -> None:
+    c = Client(Broker())
+    c.handshake(heartbeat=1)
+    c.conn.tick(time.monotonic() + 0.6)
+    assert of_type(c.read(), Heartbeat)
+    c.conn.tick(time.monotonic() + 2.5)
     assert c.conn.should_close
 
 
@@ -1389,3 +1391,94 @@ def test_malformed_properties_close_connection(client: Client) -> None:
     client.send_raw(publish + header + frame.marshal(ContentBody(b"abc"), 1))
     close = connection_close(client.read())
     assert 500 <= close.reply_code < 600
+
+
+# ------------------------------------------------------------ flow control, clocks
+
+
+def test_transport_paused_holds_deliveries(broker: Broker) -> None:
+    c = connected(broker)
+    c.declare_queue(1, "q")
+    c.consume(1, "q", tag="t", no_ack=True)
+    c.conn.set_transport_paused(True)
+    c.publish(1, b"held", routing_key="q")
+    assert c.read() == []
+    assert broker.vhosts["/"].queues["q"].message_count == 1
+    c.conn.set_transport_paused(False)
+    deliveries, _ = assemble(c.read())
+    assert bodies(deliveries) == [b"held"]
+
+
+def test_write_high_water_resumes_after_flush(broker: Broker) -> None:
+    publisher = connected(broker)
+    publisher.declare_queue(1, "q")
+    consumer_ = Client(broker, settings=ServerSettings(write_high_water=200))
+    consumer_.handshake()
+    consumer_.open_channel(1)
+    consumer_.consume(1, "q", tag="t", no_ack=True)
+    _publish_n(publisher, "q", 20)
+    got: list[bytes] = []
+    for _ in range(40):
+        deliveries, _ = assemble(consumer_.read())
+        got += bodies(deliveries)
+        consumer_.conn.resume_deliveries()  # what the I/O layer does once the socket drained
+        if len(got) == 20:
+            break
+    assert got == [b"m%d" % i for i in range(1, 21)]
+    assert broker.vhosts["/"].queues["q"].message_count == 0
+
+
+def test_close_timeout_with_injected_clock() -> None:
+    c = Client(Broker(), now=0.0)
+    c.handshake()
+    c.conn.close()
+    assert connection_close(c.read()).reply_code == 320
+    c.tick(2.0)
+    assert not c.conn.should_close
+    c.tick(3.5)  # ServerSettings.close_timeout is 3 s
+    assert c.conn.should_close
+
+
+def test_heartbeat_timeout_with_injected_clock() -> None:
+    c = Client(Broker(), now=0.0)
+    c.handshake(heartbeat=2)
+    c.tick(1.0)
+    assert of_type(c.read(), Heartbeat)
+    c.send_raw(frame.marshal(Heartbeat(), 0), now=3.0)
+    c.tick(6.5)
+    assert not c.conn.should_close
+    c.tick(7.5)
+    assert c.conn.should_close
+
+
+def test_frames_after_a_connection_error_are_ignored(broker: Broker, client: Client) -> None:
+    client.send_raw(
+        publish_bytes(1, b"x", routing_key="q", immediate=True)
+        + frame.marshal(commands.Queue.Declare(queue="after-error"), 1)
+    )
+    frames = client.read()
+    assert [type(v) for _, v in frames] == [commands.Connection.Close]
+    assert "after-error" not in broker.vhosts["/"].queues
+    client.send(1, commands.Queue.Declare(queue="later"))
+    assert client.read() == []
+    assert "later" not in broker.vhosts["/"].queues
+
+
+def test_delivery_tags_restart_on_a_reopened_channel(client: Client) -> None:
+    client.declare_queue(1, "q")
+    client.consume(1, "q", tag="t")
+    client.publish(1, b"a", routing_key="q")
+    client.read()
+    client.expect(1, client_channel_close(), commands.Channel.CloseOk)
+    client.open_channel(1)
+    deliveries, _ = assemble(client.consume(1, "q", tag="t"))
+    assert [(d.method.delivery_tag, d.method.redelivered, d.body) for d in deliveries] == [(1, True, b"a")]
+
+
+def test_channel_open_on_closing_channel_is_ignored(client: Client) -> None:
+    client.publish(1, b"x", exchange="missing")
+    channel_close(client.read(), 1)
+    assert client.call(1, commands.Channel.Open()) == []
+    assert not client.conn.should_close
+    assert client.call(1, commands.Channel.CloseOk()) == []
+    client.open_channel(1)

@@ -83,12 +83,6 @@ def test_expired_messages_not_delivered_or_got(vh: VirtualHost, clock: ManualSch
     assert sink.delivered == []
 
 
-@pytest.mark.xfail(
-    reason="BUG: with a TTL of 0 (x-message-ttl 0 or expiration '0') a message is dead-lettered even when a "
-    "consumer with credit is waiting: Queue.enqueue sets expires_at = now and QueueChannel.dispatch drops "
-    "anything with expires_at <= now before delivering; RabbitMQ delivers it if a consumer can take it at once",
-    strict=True,
-)
 @pytest.mark.parametrize("arguments, props", [({"x-message-ttl": 0}, {}), ({}, {"expiration": "0"})],
                          ids=["queue-ttl-0", "expiration-0"])
 def test_ttl_zero_delivers_to_waiting_consumer(vh: VirtualHost, arguments: dict[str, Any],

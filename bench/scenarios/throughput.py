@@ -15,6 +15,7 @@ Method, identical for every broker:
 
 from __future__ import annotations
 
+import asyncio
 import time
 from dataclasses import dataclass
 from typing import Literal
@@ -30,6 +31,8 @@ from bench.target import Target
 from bench.workers import ConsumeSpec, PublishSpec, consumer_main, producer_main
 
 MIB = 1 << 20
+# Bounds for declaring and deleting the topology, so a hung broker can't stall the run.
+SETUP_TIMEOUT = 30.0
 
 
 @dataclass(frozen=True)
@@ -127,14 +130,14 @@ async def _cleanup(target: Target, topo: Topology) -> list[str]:
 
 def run_plan(plan: Plan, target: Target, opts: RunOptions) -> tuple[list[Metric], dict[str, object]]:
     cpu = CpuWatch(broker_pid_of(target))
-    topo = loop.run(_declare(target, plan))
+    topo = loop.run(asyncio.wait_for(_declare(target, plan), SETUP_TIMEOUT))
     workers = Workers()
     try:
         counters = CTX.RawArray("q", len(topo.queues))
         per_proc = -(-len(topo.queues) // plan.consumer_procs)
         for first in range(0, len(topo.queues), per_proc):
             queues = topo.queues[first : first + per_proc]
-            workers.start(consumer_main, ConsumeSpec(target.url, queues, first, plan.prefetch, plan.ack_every, float(__import__("os").environ.get("RI", "0.001"))),
+            workers.start(consumer_main, ConsumeSpec(target.url, queues, first, plan.prefetch, plan.ack_every),
                           counters)
         publish = PublishSpec(
             target.url, topo.exchange, topo.routing_keys, topo.reach, plan.body_size, plan.delivery_mode,
@@ -155,14 +158,34 @@ def run_plan(plan: Plan, target: Target, opts: RunOptions) -> tuple[list[Metric]
         *consumer_infos, producer_info = workers.collect(timeout=15)
     finally:
         workers.stop()
-        problems = loop.run(_cleanup(target, topo))
+        problems = loop.run(asyncio.wait_for(_cleanup(target, topo), SETUP_TIMEOUT))
     rate = (c1 - c0) / (t1 - t0)
     if c1 == c0:
-        raise RuntimeError("no messages were delivered in the measurement window")
+        raise RuntimeError(
+            f"no messages were delivered in the measurement window (published {producer_info['published']}, "
+            f"confirmed {producer_info['confirmed']}, delivered in all {sum(counters)})"
+        )
     metrics = [Metric("delivered", rate, "msg/s")]
     if plan.body_size >= MIB:
         metrics.append(Metric("delivered", rate * plan.body_size / MIB, "MiB/s"))
-    notes: dict[str, object] = {**producer_info, "delivered_total": [n for info in consumer_infos for n in info["delivered"]], "cpu": cpu_split}
+    delivered = [n for info in consumer_infos for n in info["delivered"]]
+    notes: dict[str, object] = {**producer_info, "delivered_per_queue": delivered, "cpu": cpu_split}
     if problems:
         notes["cleanup_problems"] = problems
+    if mismatch := _routing_mismatch(plan, producer_info["expected_per_queue"], delivered):
+        notes["routing_problem"] = mismatch
     return metrics, notes
+
+
+def _routing_mismatch(plan: Plan, expected: list[int], delivered: list[int]) -> str | None:
+    """Check each queue got what its bindings imply, give or take what was still in flight.
+
+    The producer never lets a queue fall more than max_backlog (+ one block)
+    behind, so a wrongly routing broker shows up as a queue with too many
+    messages or one starved far beyond that slack.
+    """
+    slack = plan.max_backlog + plan.batch * 4
+    for q, (want, got) in enumerate(zip(expected, delivered, strict=True)):
+        if got > want or got < want - slack:
+            return f"queue {q}: delivered {got}, bindings imply {want} (in-flight slack {slack})"
+    return None

@@ -1,0 +1,149 @@
+"""Durability: what of the core goes to the store, and how it comes back.
+
+``QueueStorage`` is a durable queue's link to the group committer (appends,
+removals, delivery counts, all fenced by the queue's epoch). ``Durability``
+persists durable topology as it changes and rebuilds it, with each queue's
+backlog, at start-up.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import TYPE_CHECKING
+
+from core.exchange import Binding, Exchange
+from core.group_commit import GroupCommitter
+from core.message import Message, QueuedMessage
+from core.store import BindingRecord, ExchangeRecord, MessageStore, QueueRecord, StoredMessage
+
+if TYPE_CHECKING:
+    from core.broker import Broker
+    from core.queue import Queue
+    from core.vhost import VirtualHost
+
+log = logging.getLogger("leveret.store")
+
+
+class QueueStorage:
+    """One durable queue's writes, handed to the group committer."""
+
+    __slots__ = ("vhost", "name", "key", "epoch", "committer")
+
+    def __init__(self, vhost: str, name: str, committer: GroupCommitter, epoch: int = 0) -> None:
+        self.vhost = vhost
+        self.name = name
+        self.key = (vhost, name)
+        self.epoch = epoch
+        self.committer = committer
+
+    def append(self, qm: QueuedMessage) -> None:
+        m = qm.message
+        self.committer.append(
+            self,
+            StoredMessage(
+                self.vhost, self.name, qm.offset, m.id, m.exchange, m.routing_key, m.props, m.body,
+                m.timestamp, qm.expires_at, qm.delivery_count,
+            ),
+            len(m.body),
+        )
+
+    def remove(self, qm: QueuedMessage) -> None:
+        self.committer.remove(self, qm.offset)
+
+    def delivery_count(self, qm: QueuedMessage) -> None:
+        self.committer.update_delivery_count(self, qm.offset, qm.delivery_count)
+
+
+def _is_durable_queue(q: Queue) -> bool:
+    return q.durable and not q.exclusive
+
+
+class Durability:
+    """Keeps the store in step with durable topology; restores it at start."""
+
+    def __init__(self, store: MessageStore, committer: GroupCommitter) -> None:
+        self.store = store
+        self.committer = committer
+
+    # -- start-up ----------------------------------------------------------------
+    async def restore(self, broker: Broker) -> tuple[int, int]:
+        """Recreate durable exchanges, queues (with their messages) and bindings."""
+        topo = await self.store.load_topology()
+        broker.durability = self
+        for vh in broker.vhosts.values():
+            vh.durability = self
+        for xr in topo.exchanges:
+            vh = broker.add_vhost(xr.vhost)
+            if xr.name not in vh.exchanges:
+                vh.declare_exchange(xr.name, xr.type, durable=True, auto_delete=xr.auto_delete,
+                                    internal=xr.internal, arguments=xr.arguments, restoring=True)
+        messages = 0
+        for qr in topo.queues:
+            vh = broker.add_vhost(qr.vhost)
+            q = vh.declare_queue(qr.name, None, durable=True, auto_delete=qr.auto_delete,
+                                 arguments=qr.arguments, restoring=True)
+            assert q.storage is not None
+            # Fence first, then load: a write from a previous owner can no longer land.
+            q.storage.epoch = await self.store.claim(qr.vhost, qr.name)
+            stored = await self.store.load_messages(qr.vhost, qr.name)
+            for sm in stored:
+                q.restore(_restored(sm, broker.node_id), sm.offset, sm.expires_at, sm.delivery_count)
+            messages += len(stored)
+        for br in topo.bindings:
+            bvh = broker.vhosts.get(br.vhost)
+            if bvh is None or br.source not in bvh.exchanges:
+                continue
+            dest: Queue | Exchange | None = (
+                bvh.queues.get(br.destination) if br.destination_kind == "queue" else bvh.exchanges.get(br.destination)
+            )
+            if dest is not None:
+                bvh.bind(br.source, dest, br.routing_key, br.arguments, restoring=True)
+        return len(topo.queues), messages
+
+    # -- topology changes (called by the vhost) -------------------------------------
+    def exchange_declared(self, vhost: VirtualHost, x: Exchange) -> None:
+        if x.durable:
+            record = ExchangeRecord(vhost.name, x.name, x.type, x.auto_delete, x.internal, x.arguments)
+            self.committer.run(lambda: self.store.save_exchange(record))
+
+    def exchange_deleted(self, vhost: VirtualHost, x: Exchange) -> None:
+        if x.durable:
+            self.committer.run(lambda: self.store.delete_exchange(vhost.name, x.name))
+
+    def queue_declared(self, vhost: VirtualHost, q: Queue, restoring: bool = False) -> None:
+        if not _is_durable_queue(q):
+            return
+        storage = QueueStorage(vhost.name, q.name, self.committer)
+        q.storage = storage
+        if restoring:
+            return  # restore() claims the epoch itself
+        record = QueueRecord(vhost.name, q.name, q.auto_delete, q.arguments)
+
+        async def save() -> None:
+            await self.store.save_queue(record)
+            storage.epoch = await self.store.claim(vhost.name, q.name)
+
+        self.committer.run(save)
+
+    def queue_deleted(self, vhost: VirtualHost, q: Queue) -> None:
+        if q.storage is not None:
+            self.committer.run(lambda: self.store.delete_queue(vhost.name, q.name))
+
+    def binding_changed(self, vhost: VirtualHost, b: Binding, added: bool) -> None:
+        dest = b.destination
+        durable_dest = dest.durable if isinstance(dest, Exchange) else _is_durable_queue(dest)
+        if not (b.source.durable and durable_dest):
+            return
+        kind = "exchange" if isinstance(dest, Exchange) else "queue"
+        record = BindingRecord(vhost.name, b.source.name, kind, dest.name, b.routing_key, b.arguments)
+        if added:
+            self.committer.run(lambda: self.store.save_binding(record))
+        else:
+            self.committer.run(lambda: self.store.delete_binding(record))
+
+
+def _restored(sm: StoredMessage, node: str) -> Message:
+    m = Message(sm.exchange, sm.routing_key, sm.properties, sm.body, node=node)
+    m.timestamp = sm.enqueued_at
+    m.id = sm.message_id
+    return m

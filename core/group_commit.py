@@ -1,0 +1,159 @@
+"""Group commit: many publishes and acks, one store transaction, then the confirms.
+
+Operations arrive synchronously from the hot path and are gathered into the
+pending batch; a flush starts on the next loop turn, so everything read in one
+go shares a commit, and while a commit is in flight the next batch fills up.
+A lone publisher therefore waits for one commit, a busy one shares each commit
+with thousands of others: the batch size adapts to the load without a timer.
+
+Topology changes (declare, delete, bind) are ordered with the message batches
+in one FIFO, so a message is never committed before the queue it belongs to.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Awaitable, Callable
+from typing import TYPE_CHECKING
+
+from core.store import Batch, Fenced, MessageStore, StoreError
+
+if TYPE_CHECKING:
+    from core.durability import QueueStorage
+
+log = logging.getLogger("leveret.store")
+
+Done = Callable[[BaseException | None], None]
+
+# One commit carries at most this much; the rest waits for the next one.
+MAX_BATCH_OPS = 20_000
+MAX_BATCH_BYTES = 64 * 1024 * 1024
+
+
+class _Pending:
+    __slots__ = ("batch", "queues", "callbacks", "bytes")
+
+    def __init__(self) -> None:
+        self.batch = Batch()
+        self.queues: dict[tuple[str, str], QueueStorage] = {}
+        self.callbacks: list[Done] = []
+        self.bytes = 0
+
+
+class GroupCommitter:
+    def __init__(self, store: MessageStore, on_fenced: Callable[[list[tuple[str, str]]], None] | None = None) -> None:
+        self.store = store
+        self._on_fenced = on_fenced
+        self._items: list[_Pending | Callable[[], Awaitable[None]]] = []
+        self._task: asyncio.Task[None] | None = None
+        self.commits = 0
+        self.committed_ops = 0
+        self.failures = 0
+        self.last_error: str | None = None
+
+    # -- producers (synchronous, hot path) -------------------------------------
+    def _pending(self, queue: QueueStorage) -> _Pending:
+        items = self._items
+        if items:
+            last = items[-1]
+            if isinstance(last, _Pending) and len(last.batch) < MAX_BATCH_OPS and last.bytes < MAX_BATCH_BYTES:
+                last.queues[queue.key] = queue
+                return last
+        p = _Pending()
+        p.queues[queue.key] = queue
+        items.append(p)
+        self._kick()
+        return p
+
+    def append(self, queue: QueueStorage, record: object, size: int) -> None:
+        p = self._pending(queue)
+        p.batch.appends.append(record)  # type: ignore[arg-type]
+        p.bytes += size
+
+    def remove(self, queue: QueueStorage, offset: int) -> None:
+        self._pending(queue).batch.removals.append((queue.vhost, queue.name, offset))
+
+    def update_delivery_count(self, queue: QueueStorage, offset: int, count: int) -> None:
+        self._pending(queue).batch.delivery_counts.append((queue.vhost, queue.name, offset, count))
+
+    def when_committed(self, done: Done) -> None:
+        """Call ``done`` once everything added so far is committed (or failed)."""
+        items = self._items
+        if items and isinstance(items[-1], _Pending):
+            items[-1].callbacks.append(done)
+        elif items:
+            p = _Pending()
+            p.callbacks.append(done)
+            items.append(p)
+        else:
+            done(None)
+
+    def run(self, op: Callable[[], Awaitable[None]]) -> None:
+        """A topology change, ordered after everything added so far."""
+        self._items.append(op)
+        self._kick()
+
+    def _kick(self) -> None:
+        if self._task is None or self._task.done():
+            try:
+                loop = asyncio.get_running_loop()
+            except RuntimeError:
+                return  # no loop (unit tests of the core): drain() flushes
+            self._task = loop.create_task(self._flush_all())
+
+    # -- the flusher -----------------------------------------------------------
+    async def _flush_all(self) -> None:
+        await asyncio.sleep(0)  # let the rest of this loop turn join the batch
+        while self._items:
+            item = self._items.pop(0)
+            if isinstance(item, _Pending):
+                await self._commit(item)
+            else:
+                try:
+                    await item()
+                except StoreError as exc:
+                    self.failures += 1
+                    self.last_error = str(exc)
+                    log.error("store topology write failed", extra={"error": str(exc)})
+
+    async def _commit(self, p: _Pending) -> None:
+        batch = p.batch
+        error: BaseException | None = None
+        if len(batch):
+            for key, storage in p.queues.items():
+                batch.epochs[key] = storage.epoch
+            started = time.perf_counter()
+            try:
+                await self.store.commit(batch)
+                self.commits += 1
+                self.committed_ops += len(batch)
+                if self.last_error is not None:
+                    log.warning("store recovered", extra={"after": self.last_error})
+                    self.last_error = None
+            except Fenced as exc:
+                error = exc
+                log.error("fenced out of queues; dropping them", extra={"queues": exc.queues})
+                if self._on_fenced is not None:
+                    self._on_fenced(exc.queues)
+            except StoreError as exc:
+                error = exc
+                self.failures += 1
+                if self.last_error is None:
+                    log.error("store commit failed; publishes are nacked until it recovers",
+                              extra={"error": str(exc), "ops": len(batch)})
+                self.last_error = str(exc)
+            else:
+                elapsed = time.perf_counter() - started
+                if elapsed > 1.0:
+                    log.warning("slow store commit", extra={"seconds": round(elapsed, 3), "ops": len(batch)})
+        for done in p.callbacks:
+            done(error)
+
+    async def drain(self) -> None:
+        """Wait until everything added so far is committed (shutdown, tests)."""
+        while self._items or (self._task is not None and not self._task.done()):
+            if self._task is None or self._task.done():
+                self._task = asyncio.get_running_loop().create_task(self._flush_all())
+            await asyncio.shield(self._task)

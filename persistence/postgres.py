@@ -1,0 +1,455 @@
+"""The PostgreSQL message store (psycopg 3, async, over a small connection pool).
+
+Every ``commit`` is one transaction that first locks the epoch rows of the
+batch's queues (``FOR SHARE``) and refuses the whole batch when any of them has
+moved on; a ``claim`` updates the row, so it waits for commits in flight and
+every commit after it sees the new epoch (DESIGN.md, "Ownership and failover").
+
+Appends go through ``COPY ... (FORMAT BINARY)``: for 1000 appends of 256 bytes
+it measured ~13 ms against ~48 ms for ``executemany`` (~3.7x; 10k: ~135 ms
+against ~440 ms). COPY cannot skip rows that exist already, so a batch whose
+earlier commit did reach the server (the connection dropped before the reply and
+the caller retried) fails with a unique violation; it is then applied again
+through a staging table and ``INSERT ... ON CONFLICT DO NOTHING``, which makes a
+retried commit idempotent.
+
+Within a batch, purges are applied first, then appends, delivery counts and
+removals: a message appended and settled inside one batch is never stored, and
+a purge never drops a message of the same batch (at worst one published
+before the purge survives it, which at-least-once allows; dropping one
+published after it would lose a confirmed message).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hashlib
+import math
+import re
+from collections.abc import AsyncIterator, Iterator, Sequence
+from pathlib import Path
+from typing import Any
+
+import psycopg
+import psycopg.errors
+from psycopg.conninfo import conninfo_to_dict
+from psycopg_pool import AsyncConnectionPool
+
+from core.fieldtable import FieldTable, decode_table, encode_table
+from core.store import (
+    Batch,
+    BindingRecord,
+    ExchangeRecord,
+    Fenced,
+    QueueRecord,
+    StoredMessage,
+    StoreError,
+    Topology,
+)
+from persistence.migrate import apply_postgres
+
+MIGRATIONS = Path(__file__).resolve().parent / "migrations" / "postgres"
+
+DEFAULT_CONNECT_TIMEOUT = 5.0  # seconds, when the DSN does not say
+ACQUIRE_TIMEOUT = 10.0  # seconds to wait for a pooled connection before failing a call
+
+_MESSAGE_COLUMNS = (
+    'vhost, queue, "offset", message_id, exchange, routing_key, properties, body, '
+    "enqueued_at, expires_at, size, delivery_count"
+)
+_COPY_TYPES = ["text", "text", "int8", "text", "text", "text", "bytea", "bytea", "float8", "float8", "int4", "int4"]
+
+# -- DSN redaction -------------------------------------------------------------------
+
+_KV_PASSWORD = re.compile(r"""(^|\s)password\s*=\s*(?:'(?:[^'\\]|\\.)*'|\S*)""", re.IGNORECASE)
+
+
+def redact_dsn(dsn: str) -> str:
+    """The DSN without its password, for logs and errors (URL and key=value forms)."""
+    scheme, sep, rest = dsn.partition("://")
+    if not sep:
+        return " ".join(_KV_PASSWORD.sub(r"\1", dsn).split())
+    head, qmark, query = rest.partition("?")
+    at = head.rfind("@")
+    if at >= 0:
+        user = head[:at].split(":", 1)[0]
+        head = (user + "@" if user else "") + head[at + 1 :]
+    if qmark:
+        params = [p for p in query.split("&") if p and p.split("=", 1)[0].lower() != "password"]
+        query = "&".join(params)
+    return f"{scheme}://{head}" + (f"?{query}" if query else "")
+
+
+def _dsn_password(dsn: str) -> str | None:
+    try:
+        password = conninfo_to_dict(dsn).get("password")
+    except psycopg.Error:
+        return None
+    return str(password) if password else None
+
+
+# -- field tables ----------------------------------------------------------------------
+
+
+def _encode_arguments(arguments: FieldTable | None) -> bytes:
+    return encode_table(arguments or {})
+
+
+def _decode_arguments(raw: bytes | None) -> FieldTable:
+    if not raw:
+        return {}
+    table, _ = decode_table(bytes(raw))
+    return table
+
+
+def binding_arguments_key(arguments: FieldTable | None) -> str:
+    """Hex SHA-1 of the binding's encoded arguments: tells apart bindings that differ only there (headers)."""
+    return hashlib.sha1(_encode_arguments(arguments)).hexdigest()
+
+
+# -- the store ---------------------------------------------------------------------------
+
+
+class PostgresStore:
+    """MessageStore on PostgreSQL."""
+
+    def __init__(self, dsn: str, pool_size: int = 4, *, connect_timeout: float = DEFAULT_CONNECT_TIMEOUT) -> None:
+        if pool_size < 1:
+            raise ValueError("pool_size must be at least 1")
+        self._dsn = dsn
+        self._pool_size = pool_size
+        self._connect_timeout = connect_timeout
+        self._password = _dsn_password(dsn)
+        self.description = f"postgres {redact_dsn(dsn)}"
+        self._pool: AsyncConnectionPool[psycopg.AsyncConnection[Any]] | None = None
+
+    # -- errors ----------------------------------------------------------------------
+    def _scrub(self, text: str) -> str:
+        if self._password:
+            text = text.replace(self._password, "***")
+        return text
+
+    def _error(self, what: str, exc: BaseException) -> StoreError:
+        reason = self._scrub(" ".join(str(exc).split())) or type(exc).__name__
+        return StoreError(f"{self.description}: {what} failed: {reason}")
+
+    @contextlib.contextmanager
+    def _guard(self, what: str) -> Iterator[None]:
+        """Turn driver and network failures into StoreError naming the (redacted) DSN."""
+        try:
+            yield
+        except StoreError:
+            raise
+        except (psycopg.Error, OSError, TimeoutError) as exc:
+            raise self._error(what, exc) from exc
+
+    @contextlib.asynccontextmanager
+    async def _connection(self) -> AsyncIterator[psycopg.AsyncConnection[Any]]:
+        if self._pool is None:
+            raise StoreError(f"{self.description}: the store is not open")
+        async with self._pool.connection(timeout=ACQUIRE_TIMEOUT) as conn:
+            yield conn
+
+    # -- life cycle --------------------------------------------------------------------
+    def _connect_kwargs(self) -> dict[str, Any]:
+        try:
+            given = conninfo_to_dict(self._dsn)
+        except psycopg.Error as exc:
+            raise StoreError(f"{self.description}: invalid connection string: {self._scrub(str(exc))}") from exc
+        kwargs: dict[str, Any] = {"autocommit": True}
+        if "connect_timeout" not in given:
+            kwargs["connect_timeout"] = max(2, math.ceil(self._connect_timeout))  # libpq: whole seconds, >= 2
+        if "application_name" not in given:
+            kwargs["application_name"] = "leveret"
+        return kwargs
+
+    async def open(self) -> None:
+        if self._pool is not None:
+            return
+        kwargs = self._connect_kwargs()
+        # One direct connection first: it reports why the server is unreachable (the
+        # pool would only time out), and it applies the migrations.
+        deadline = float(kwargs.get("connect_timeout", self._connect_timeout)) * 2 + 5
+        try:
+            conn = await asyncio.wait_for(psycopg.AsyncConnection.connect(self._dsn, **kwargs), deadline)
+        except (psycopg.Error, OSError, TimeoutError) as exc:
+            raise StoreError(f"cannot connect to {self.description}: {self._scrub(' '.join(str(exc).split()))}")
+        with self._guard("applying migrations"):
+            async with conn:
+                await apply_postgres(conn, MIGRATIONS)
+        pool: AsyncConnectionPool[psycopg.AsyncConnection[Any]] = AsyncConnectionPool(
+            self._dsn,
+            min_size=self._pool_size,
+            max_size=self._pool_size,
+            kwargs=kwargs,
+            open=False,
+            name="leveret-store",
+            timeout=ACQUIRE_TIMEOUT,
+        )
+        try:
+            with self._guard("opening the connection pool"):
+                await pool.open(wait=True, timeout=deadline)
+        except StoreError:
+            await pool.close()
+            raise
+        self._pool = pool
+
+    async def close(self) -> None:
+        pool, self._pool = self._pool, None
+        if pool is not None:
+            await pool.close()
+
+    # -- topology ------------------------------------------------------------------------
+    async def load_topology(self) -> Topology:
+        topology = Topology()
+        with self._guard("loading the topology"):
+            async with self._connection() as conn, conn.transaction():
+                await conn.execute("SET TRANSACTION ISOLATION LEVEL REPEATABLE READ")
+                cur = conn.cursor(binary=True)
+                await cur.execute(
+                    "SELECT vhost, name, type, auto_delete, internal, arguments FROM exchanges ORDER BY vhost, name"
+                )
+                for vhost, name, type_, auto_delete, internal, arguments in await cur.fetchall():
+                    topology.exchanges.append(
+                        ExchangeRecord(vhost, name, type_, auto_delete, internal, _decode_arguments(arguments))
+                    )
+                await cur.execute("SELECT vhost, name, auto_delete, arguments FROM queues ORDER BY vhost, name")
+                for vhost, name, auto_delete, arguments in await cur.fetchall():
+                    topology.queues.append(QueueRecord(vhost, name, auto_delete, _decode_arguments(arguments)))
+                await cur.execute(
+                    "SELECT vhost, source, destination_kind, destination, routing_key, arguments FROM bindings"
+                    " ORDER BY vhost, source, destination_kind, destination, routing_key, arguments_key"
+                )
+                for vhost, source, kind, destination, routing_key, arguments in await cur.fetchall():
+                    topology.bindings.append(
+                        BindingRecord(vhost, source, kind, destination, routing_key, _decode_arguments(arguments))
+                    )
+        return topology
+
+    async def save_exchange(self, record: ExchangeRecord) -> None:
+        with self._guard(f"saving exchange {record.vhost}/{record.name}"):
+            async with self._connection() as conn:
+                await conn.execute(
+                    "INSERT INTO exchanges (vhost, name, type, auto_delete, internal, arguments)"
+                    " VALUES (%s, %s, %s, %s, %s, %s)"
+                    " ON CONFLICT (vhost, name) DO UPDATE SET type = EXCLUDED.type,"
+                    " auto_delete = EXCLUDED.auto_delete, internal = EXCLUDED.internal, arguments = EXCLUDED.arguments",
+                    (
+                        record.vhost,
+                        record.name,
+                        record.type,
+                        record.auto_delete,
+                        record.internal,
+                        _encode_arguments(record.arguments),
+                    ),
+                )
+
+    async def delete_exchange(self, vhost: str, name: str) -> None:
+        with self._guard(f"deleting exchange {vhost}/{name}"):
+            async with self._connection() as conn, conn.transaction():
+                await conn.execute(
+                    "DELETE FROM bindings WHERE vhost = %s"
+                    " AND (source = %s OR (destination_kind = 'exchange' AND destination = %s))",
+                    (vhost, name, name),
+                )
+                await conn.execute("DELETE FROM exchanges WHERE vhost = %s AND name = %s", (vhost, name))
+
+    async def save_queue(self, record: QueueRecord) -> None:
+        with self._guard(f"saving queue {record.vhost}/{record.name}"):
+            async with self._connection() as conn:
+                await conn.execute(
+                    "INSERT INTO queues (vhost, name, auto_delete, arguments) VALUES (%s, %s, %s, %s)"
+                    " ON CONFLICT (vhost, name) DO UPDATE SET auto_delete = EXCLUDED.auto_delete,"
+                    " arguments = EXCLUDED.arguments",
+                    (record.vhost, record.name, record.auto_delete, _encode_arguments(record.arguments)),
+                )
+
+    async def delete_queue(self, vhost: str, name: str) -> None:
+        with self._guard(f"deleting queue {vhost}/{name}"):
+            async with self._connection() as conn, conn.transaction():
+                # The epoch row first: it waits for a commit in flight (which holds it FOR
+                # SHARE), in the same lock order as commit, and fences every later one.
+                await conn.execute("DELETE FROM queue_epochs WHERE vhost = %s AND queue = %s", (vhost, name))
+                await conn.execute("DELETE FROM messages WHERE vhost = %s AND queue = %s", (vhost, name))
+                await conn.execute(
+                    "DELETE FROM bindings WHERE vhost = %s AND destination_kind = 'queue' AND destination = %s",
+                    (vhost, name),
+                )
+                await conn.execute("DELETE FROM queues WHERE vhost = %s AND name = %s", (vhost, name))
+
+    async def save_binding(self, record: BindingRecord) -> None:
+        with self._guard(f"saving binding {record.vhost}/{record.source} -> {record.destination}"):
+            async with self._connection() as conn:
+                await conn.execute(
+                    "INSERT INTO bindings"
+                    " (vhost, source, destination_kind, destination, routing_key, arguments, arguments_key)"
+                    " VALUES (%s, %s, %s, %s, %s, %s, %s)"
+                    " ON CONFLICT (vhost, source, destination_kind, destination, routing_key, arguments_key)"
+                    " DO UPDATE SET arguments = EXCLUDED.arguments",
+                    (
+                        record.vhost,
+                        record.source,
+                        record.destination_kind,
+                        record.destination,
+                        record.routing_key,
+                        _encode_arguments(record.arguments),
+                        binding_arguments_key(record.arguments),
+                    ),
+                )
+
+    async def delete_binding(self, record: BindingRecord) -> None:
+        with self._guard(f"deleting binding {record.vhost}/{record.source} -> {record.destination}"):
+            async with self._connection() as conn:
+                await conn.execute(
+                    "DELETE FROM bindings WHERE vhost = %s AND source = %s AND destination_kind = %s"
+                    " AND destination = %s AND routing_key = %s AND arguments_key = %s",
+                    (
+                        record.vhost,
+                        record.source,
+                        record.destination_kind,
+                        record.destination,
+                        record.routing_key,
+                        binding_arguments_key(record.arguments),
+                    ),
+                )
+
+    # -- ownership and messages -------------------------------------------------------
+    async def claim(self, vhost: str, queue: str, epoch: int | None = None) -> int:
+        with self._guard(f"claiming {vhost}/{queue}"):
+            async with self._connection() as conn:
+                if epoch is None:
+                    cur = await conn.execute(
+                        "INSERT INTO queue_epochs (vhost, queue, epoch) VALUES (%s, %s, 1)"
+                        " ON CONFLICT (vhost, queue) DO UPDATE SET epoch = queue_epochs.epoch + 1"
+                        " RETURNING epoch",
+                        (vhost, queue),
+                    )
+                else:
+                    # Moves to ``epoch`` when it is newer; an equal epoch is an idempotent re-claim.
+                    cur = await conn.execute(
+                        "INSERT INTO queue_epochs (vhost, queue, epoch) VALUES (%s, %s, %s)"
+                        " ON CONFLICT (vhost, queue) DO UPDATE SET epoch = EXCLUDED.epoch"
+                        " WHERE queue_epochs.epoch <= EXCLUDED.epoch"
+                        " RETURNING epoch",
+                        (vhost, queue, epoch),
+                    )
+                row = await cur.fetchone()
+        if row is None:
+            raise Fenced([(vhost, queue)])
+        return int(row[0])
+
+    async def load_messages(self, vhost: str, queue: str) -> list[StoredMessage]:
+        with self._guard(f"loading the messages of {vhost}/{queue}"):
+            async with self._connection() as conn:
+                cur = conn.cursor(binary=True)
+                await cur.execute(
+                    'SELECT "offset", message_id, exchange, routing_key, properties, body, enqueued_at, expires_at,'
+                    " delivery_count FROM messages WHERE vhost = %s AND queue = %s AND state = 'ready'"
+                    ' ORDER BY "offset"',
+                    (vhost, queue),
+                )
+                rows = await cur.fetchall()
+        return [
+            StoredMessage(vhost, queue, offset, message_id, exchange, routing_key, properties, body,
+                          enqueued_at, expires_at, delivery_count)
+            for offset, message_id, exchange, routing_key, properties, body, enqueued_at, expires_at, delivery_count
+            in rows
+        ]  # fmt: skip
+
+    async def commit(self, batch: Batch) -> None:
+        if not batch.epochs and not len(batch):
+            return
+        _require_epochs(batch)
+        with self._guard(f"committing a batch of {len(batch)}"):
+            try:
+                await self._commit(batch, idempotent=False)
+            except psycopg.errors.UniqueViolation:
+                # Some appends are stored already: a retry of a batch whose commit did
+                # reach the server. Apply it again, skipping the messages it holds.
+                await self._commit(batch, idempotent=True)
+
+    async def _commit(self, batch: Batch, *, idempotent: bool) -> None:
+        async with self._connection() as conn, conn.transaction():
+            cur = conn.cursor()
+            await self._check_epochs(cur, batch.epochs)
+            if batch.purges:
+                vhosts, queues = _columns(sorted(set(batch.purges)), 2)
+                await cur.execute(
+                    "DELETE FROM messages WHERE (vhost, queue) IN (SELECT * FROM unnest(%s::text[], %s::text[]))",
+                    (vhosts, queues),
+                )
+            if batch.appends:
+                await self._append(cur, batch.appends, idempotent)
+            if batch.delivery_counts:
+                latest = {(v, q, o): n for v, q, o, n in batch.delivery_counts}
+                vhosts, queues, offsets, counts = _columns([(*k, n) for k, n in sorted(latest.items())], 4)
+                await cur.execute(
+                    "UPDATE messages m SET delivery_count = u.n"
+                    " FROM unnest(%s::text[], %s::text[], %s::bigint[], %s::integer[]) AS u(vhost, queue, off, n)"
+                    ' WHERE m.vhost = u.vhost AND m.queue = u.queue AND m."offset" = u.off',
+                    (vhosts, queues, offsets, counts),
+                )
+            if batch.removals:
+                vhosts, queues, offsets = _columns(sorted(set(batch.removals)), 3)
+                await cur.execute(
+                    'DELETE FROM messages WHERE (vhost, queue, "offset") IN'
+                    " (SELECT * FROM unnest(%s::text[], %s::text[], %s::bigint[]))",
+                    (vhosts, queues, offsets),
+                )
+
+    @staticmethod
+    async def _check_epochs(cur: psycopg.AsyncCursor[Any], epochs: dict[tuple[str, str], int]) -> None:
+        if not epochs:
+            return
+        vhosts, queues = _columns(sorted(epochs), 2)
+        await cur.execute(
+            "SELECT vhost, queue, epoch FROM queue_epochs"
+            " WHERE (vhost, queue) IN (SELECT * FROM unnest(%s::text[], %s::text[]))"
+            " FOR SHARE",
+            (vhosts, queues),
+        )
+        stored = {(vhost, queue): epoch for vhost, queue, epoch in await cur.fetchall()}
+        fenced = [key for key, epoch in epochs.items() if stored.get(key) != epoch]
+        if fenced:
+            raise Fenced(fenced)  # leaving the transaction block rolls everything back
+
+    @staticmethod
+    async def _append(cur: psycopg.AsyncCursor[Any], messages: Sequence[StoredMessage], idempotent: bool) -> None:
+        table = "messages"
+        if idempotent:
+            table = "leveret_staging"
+            await cur.execute(
+                "CREATE TEMPORARY TABLE leveret_staging (LIKE messages INCLUDING DEFAULTS) ON COMMIT DROP"
+            )
+        async with cur.copy(f"COPY {table} ({_MESSAGE_COLUMNS}) FROM STDIN (FORMAT BINARY)") as copy:
+            copy.set_types(_COPY_TYPES)
+            for m in messages:
+                await copy.write_row(
+                    (m.vhost, m.queue, m.offset, m.message_id, m.exchange, m.routing_key, m.properties, m.body,
+                     m.enqueued_at, m.expires_at, len(m.body), m.delivery_count)
+                )  # fmt: skip
+        if idempotent:
+            await cur.execute(
+                f"INSERT INTO messages ({_MESSAGE_COLUMNS}) SELECT {_MESSAGE_COLUMNS} FROM leveret_staging"
+                " ON CONFLICT DO NOTHING"
+            )
+
+
+def _require_epochs(batch: Batch) -> None:
+    """Every write must name a queue whose epoch the batch carries (else it would bypass fencing)."""
+    touched = {(m.vhost, m.queue) for m in batch.appends}
+    touched.update((v, q) for v, q, _ in batch.removals)
+    touched.update((v, q) for v, q, _, _ in batch.delivery_counts)
+    touched.update(batch.purges)
+    missing = touched.difference(batch.epochs)
+    if missing:
+        names = ", ".join(f"{v}/{q}" for v, q in sorted(missing))
+        raise ValueError(f"batch writes to queue(s) without an epoch: {names}")
+
+
+def _columns(rows: Sequence[tuple[Any, ...]], width: int) -> list[list[Any]]:
+    """Rows to ``width`` column lists (the arrays unnest() takes)."""
+    if not rows:
+        return [[] for _ in range(width)]
+    return [list(col) for col in zip(*rows, strict=True)]

@@ -1,0 +1,287 @@
+"""The embedded store: one SQLite file in WAL mode, written from one thread.
+
+SQLite calls block, so every call runs on a single worker thread (SQLite
+allows one writer anyway) and the event loop only awaits it. Each commit is
+fsynced (synchronous=FULL); the group committer makes one commit carry many
+publishes, which is what makes that affordable.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import re
+import sqlite3
+import threading
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any, TypeVar
+
+from core.fieldtable import decode_table, encode_table
+from core.store import (
+    Batch,
+    BindingRecord,
+    ExchangeRecord,
+    Fenced,
+    QueueRecord,
+    StoredMessage,
+    StoreError,
+    Topology,
+)
+
+T = TypeVar("T")
+MIGRATIONS = Path(__file__).parent / "migrations" / "sqlite"
+
+
+def arguments_key(encoded: bytes) -> str:
+    return hashlib.sha1(encoded).hexdigest()
+
+
+class SQLiteStore:
+    def __init__(self, path: str) -> None:
+        self.path = path
+        self.description = f"sqlite {path}"
+        self._db: sqlite3.Connection | None = None
+        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="leveret-sqlite")
+        self._lock = threading.Lock()
+
+    async def _run(self, fn: Callable[[sqlite3.Connection], T]) -> T:
+        def call() -> T:
+            db = self._db
+            if db is None:
+                raise StoreError(f"{self.description}: store is not open")
+            try:
+                return fn(db)
+            except sqlite3.Error as exc:
+                if db.in_transaction:
+                    db.rollback()
+                raise StoreError(f"{self.description}: {exc}") from exc
+
+        return await asyncio.get_running_loop().run_in_executor(self._executor, call)
+
+    async def open(self) -> None:
+        def connect() -> None:
+            try:
+                Path(self.path).parent.mkdir(parents=True, exist_ok=True)
+                db = sqlite3.connect(self.path, isolation_level=None, check_same_thread=False)
+                db.execute("PRAGMA journal_mode=WAL")
+                db.execute("PRAGMA synchronous=FULL")
+                apply_sqlite(db, MIGRATIONS)
+            except (sqlite3.Error, OSError) as exc:
+                raise StoreError(f"cannot open {self.description}: {exc}") from exc
+            self._db = db
+
+        await asyncio.get_running_loop().run_in_executor(self._executor, connect)
+
+    async def close(self) -> None:
+        def close() -> None:
+            if self._db is not None:
+                self._db.close()
+                self._db = None
+
+        await asyncio.get_running_loop().run_in_executor(self._executor, close)
+        self._executor.shutdown(wait=True)
+
+    # -- topology ----------------------------------------------------------------
+    async def load_topology(self) -> Topology:
+        def load(db: sqlite3.Connection) -> Topology:
+            topo = Topology()
+            for vhost, name, type_, auto_delete, internal, args in db.execute(
+                "SELECT vhost, name, type, auto_delete, internal, arguments FROM exchanges ORDER BY vhost, name"
+            ):
+                topo.exchanges.append(
+                    ExchangeRecord(vhost, name, type_, bool(auto_delete), bool(internal), decode_table(args)[0])
+                )
+            for vhost, name, auto_delete, args in db.execute(
+                "SELECT vhost, name, auto_delete, arguments FROM queues ORDER BY vhost, name"
+            ):
+                topo.queues.append(QueueRecord(vhost, name, bool(auto_delete), decode_table(args)[0]))
+            for vhost, source, kind, dest, rk, args in db.execute(
+                "SELECT vhost, source, destination_kind, destination, routing_key, arguments FROM bindings"
+                " ORDER BY vhost, source, destination_kind, destination, routing_key"
+            ):
+                topo.bindings.append(BindingRecord(vhost, source, kind, dest, rk, decode_table(args)[0]))
+            return topo
+
+        return await self._run(load)
+
+    async def save_exchange(self, record: ExchangeRecord) -> None:
+        await self._run(
+            lambda db: db.execute(
+                "INSERT OR REPLACE INTO exchanges (vhost, name, type, auto_delete, internal, arguments)"
+                " VALUES (?, ?, ?, ?, ?, ?)",
+                (record.vhost, record.name, record.type, int(record.auto_delete), int(record.internal),
+                 encode_table(record.arguments)),
+            )
+        )
+
+    async def delete_exchange(self, vhost: str, name: str) -> None:
+        def delete(db: sqlite3.Connection) -> None:
+            with _transaction(db):
+                db.execute("DELETE FROM exchanges WHERE vhost = ? AND name = ?", (vhost, name))
+                db.execute(
+                    "DELETE FROM bindings WHERE vhost = ? AND (source = ? OR"
+                    " (destination_kind = 'exchange' AND destination = ?))",
+                    (vhost, name, name),
+                )
+
+        await self._run(delete)
+
+    async def save_queue(self, record: QueueRecord) -> None:
+        await self._run(
+            lambda db: db.execute(
+                "INSERT OR REPLACE INTO queues (vhost, name, auto_delete, arguments) VALUES (?, ?, ?, ?)",
+                (record.vhost, record.name, int(record.auto_delete), encode_table(record.arguments)),
+            )
+        )
+
+    async def delete_queue(self, vhost: str, name: str) -> None:
+        def delete(db: sqlite3.Connection) -> None:
+            with _transaction(db):
+                db.execute("DELETE FROM queues WHERE vhost = ? AND name = ?", (vhost, name))
+                db.execute("DELETE FROM messages WHERE vhost = ? AND queue = ?", (vhost, name))
+                db.execute("DELETE FROM queue_epochs WHERE vhost = ? AND queue = ?", (vhost, name))
+                db.execute(
+                    "DELETE FROM bindings WHERE vhost = ? AND destination_kind = 'queue' AND destination = ?",
+                    (vhost, name),
+                )
+
+        await self._run(delete)
+
+    async def save_binding(self, record: BindingRecord) -> None:
+        encoded = encode_table(record.arguments)
+        await self._run(
+            lambda db: db.execute(
+                "INSERT OR REPLACE INTO bindings (vhost, source, destination_kind, destination, routing_key,"
+                " arguments, arguments_key) VALUES (?, ?, ?, ?, ?, ?, ?)",
+                (record.vhost, record.source, record.destination_kind, record.destination, record.routing_key,
+                 encoded, arguments_key(encoded)),
+            )
+        )
+
+    async def delete_binding(self, record: BindingRecord) -> None:
+        encoded = encode_table(record.arguments)
+        await self._run(
+            lambda db: db.execute(
+                "DELETE FROM bindings WHERE vhost = ? AND source = ? AND destination_kind = ? AND destination = ?"
+                " AND routing_key = ? AND arguments_key = ?",
+                (record.vhost, record.source, record.destination_kind, record.destination, record.routing_key,
+                 arguments_key(encoded)),
+            )
+        )
+
+    # -- ownership and messages --------------------------------------------------
+    async def claim(self, vhost: str, queue: str, epoch: int | None = None) -> int:
+        def claim(db: sqlite3.Connection) -> int:
+            with _transaction(db):
+                row = db.execute(
+                    "SELECT epoch FROM queue_epochs WHERE vhost = ? AND queue = ?", (vhost, queue)
+                ).fetchone()
+                current = row[0] if row else 0
+                if epoch is None:
+                    new = current + 1
+                elif epoch >= current:
+                    new = epoch
+                else:
+                    raise Fenced([(vhost, queue)])
+                db.execute(
+                    "INSERT INTO queue_epochs (vhost, queue, epoch) VALUES (?, ?, ?)"
+                    " ON CONFLICT (vhost, queue) DO UPDATE SET epoch = excluded.epoch",
+                    (vhost, queue, new),
+                )
+                return new
+
+        return await self._run(claim)
+
+    async def load_messages(self, vhost: str, queue: str) -> list[StoredMessage]:
+        def load(db: sqlite3.Connection) -> list[StoredMessage]:
+            return [
+                StoredMessage(vhost, queue, *row)
+                for row in db.execute(
+                    'SELECT "offset", message_id, exchange, routing_key, properties, body, enqueued_at, expires_at,'
+                    ' delivery_count FROM messages WHERE vhost = ? AND queue = ? AND state = \'ready\''
+                    ' ORDER BY "offset"',
+                    (vhost, queue),
+                )
+            ]
+
+        return await self._run(load)
+
+    async def commit(self, batch: Batch) -> None:
+        def commit(db: sqlite3.Connection) -> None:
+            with _transaction(db):
+                stale = []
+                for (vhost, queue), epoch in batch.epochs.items():
+                    row = db.execute(
+                        "SELECT epoch FROM queue_epochs WHERE vhost = ? AND queue = ?", (vhost, queue)
+                    ).fetchone()
+                    if row is None or row[0] != epoch:
+                        stale.append((vhost, queue))
+                if stale:
+                    raise Fenced(stale)
+                if batch.purges:
+                    db.executemany("DELETE FROM messages WHERE vhost = ? AND queue = ?", batch.purges)
+                if batch.appends:
+                    db.executemany(
+                        'INSERT OR REPLACE INTO messages (vhost, queue, "offset", message_id, exchange, routing_key,'
+                        " properties, body, enqueued_at, expires_at, size, delivery_count)"
+                        " VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
+                        [
+                            (m.vhost, m.queue, m.offset, m.message_id, m.exchange, m.routing_key, m.properties,
+                             m.body, m.enqueued_at, m.expires_at, len(m.body), m.delivery_count)
+                            for m in batch.appends
+                        ],
+                    )
+                if batch.delivery_counts:
+                    db.executemany(
+                        'UPDATE messages SET delivery_count = ? WHERE vhost = ? AND queue = ? AND "offset" = ?',
+                        [(n, v, q, o) for v, q, o, n in batch.delivery_counts],
+                    )
+                if batch.removals:
+                    db.executemany(
+                        'DELETE FROM messages WHERE vhost = ? AND queue = ? AND "offset" = ?', batch.removals
+                    )
+
+        await self._run(commit)
+
+
+_NUMBERED = re.compile(r"^(\d+)_.*\.sql$")
+
+
+def apply_sqlite(db: sqlite3.Connection, directory: Path) -> list[int]:
+    """Apply the numbered migrations (NNN_name.sql) not applied yet, in order; return them."""
+    db.execute("CREATE TABLE IF NOT EXISTS schema_migrations (version INTEGER PRIMARY KEY, applied_at TEXT NOT NULL)")
+    done = {row[0] for row in db.execute("SELECT version FROM schema_migrations")}
+    found = sorted((int(m.group(1)), p) for p in directory.iterdir() if (m := _NUMBERED.match(p.name)))
+    applied = []
+    for version, path in found:
+        if version in done:
+            continue
+        try:
+            db.executescript(
+                f"BEGIN IMMEDIATE;\n{path.read_text()}\n"
+                f"INSERT INTO schema_migrations VALUES ({version}, datetime('now'));\nCOMMIT;"
+            )
+        except sqlite3.Error:
+            if db.in_transaction:
+                db.rollback()
+            raise
+        applied.append(version)
+    return applied
+
+
+class _transaction:
+    """BEGIN IMMEDIATE ... COMMIT, or ROLLBACK on any exception."""
+
+    def __init__(self, db: sqlite3.Connection) -> None:
+        self.db = db
+
+    def __enter__(self) -> None:
+        self.db.execute("BEGIN IMMEDIATE")
+
+    def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> None:
+        if exc_type is None:
+            self.db.execute("COMMIT")
+        else:
+            self.db.execute("ROLLBACK")
