@@ -12,19 +12,21 @@ PYTHON=${PYTHON:-python3}
 "$PYTHON" -c 'import sys; sys.exit(sys.version_info < (3, 11))' || {
     echo "bootstrap: Leveret needs Python >= 3.11 ($PYTHON is $("$PYTHON" --version 2>&1))" >&2; exit 1; }
 
-# Debian packages the broker and its tests need (none of them started here).
-DEB_PACKAGES="python3-venv"
+# Debian packages: what is missing, by the file that shows it is there.
 missing=""
-for p in $DEB_PACKAGES; do
-    dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing="$missing $p"
-done
-# A Python built outside Debian (pyenv) has venv already; only ask apt when venv is broken.
-if [ -n "$missing" ] && ! "$PYTHON" -m venv --help >/dev/null 2>&1; then
+"$PYTHON" -c 'import ensurepip, venv' >/dev/null 2>&1 || missing="$missing python3-venv"
+# PostgreSQL server binaries: the tests start throwaway servers (the broker's --store postgres).
+[ -x /usr/lib/postgresql/15/bin/initdb ] || missing="$missing postgresql"
+if [ -n "$missing" ]; then
     if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
         echo "bootstrap: installing Debian packages:$missing"
+        # Installing postgresql would also create and start a cluster on 5432; we only want the binaries.
+        mkdir -p /etc/postgresql-common
+        grep -qs '^create_main_cluster *= *false' /etc/postgresql-common/createcluster.conf \
+            || echo 'create_main_cluster = false' >> /etc/postgresql-common/createcluster.conf
         apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq $missing >/dev/null
     else
-        echo "bootstrap: please install:$missing (apt-get install$missing)" >&2; exit 1
+        echo "bootstrap: please install:$missing (as root: apt-get install$missing)" >&2; exit 1
     fi
 fi
 

@@ -34,7 +34,11 @@ def test_config_file_from_environment(tmp_path: Path) -> None:
 
 @pytest.mark.parametrize(
     ("text", "message"),
-    [("amqp_port = 'x'\n", "must be an integer"), ("bogus = 1\n", "unknown option"), ("amqp_port = \n", "not valid TOML")],
+    [
+        ("amqp_port = 'x'\n", "must be an integer"),
+        ("bogus = 1\n", "unknown option"),
+        ("amqp_port = \n", "not valid TOML"),
+    ],
 )
 def test_bad_file_is_a_clear_error(tmp_path: Path, text: str, message: str) -> None:
     f = tmp_path / "bad.toml"
