@@ -66,15 +66,20 @@ def encode_method(channel: int, method: Method) -> bytes:
     return pamqp_frame.marshal(method, channel)
 
 
-def decode_publish(payload: bytes) -> tuple[str, str, bool, bool]:
-    """Basic.Publish arguments: exchange, routing key, mandatory, immediate."""
-    pos = 6  # class, method, reserved ticket
+def decode_publish(payload: bytes | bytearray, pos: int = 0, end: int = -1) -> tuple[str, str, bool, bool]:
+    """Basic.Publish arguments (exchange, routing key, mandatory, immediate) from the
+    method payload starting at ``pos`` (class and method ids included)."""
+    if end < 0:
+        end = len(payload)
+    pos += 6  # class, method, reserved ticket
     n = payload[pos]
-    exchange = payload[pos + 1 : pos + 1 + n].decode("utf-8")
+    exchange = payload[pos + 1 : pos + 1 + n].decode("utf-8") if n else ""
     pos += 1 + n
     n = payload[pos]
     routing_key = payload[pos + 1 : pos + 1 + n].decode("utf-8")
     pos += 1 + n
+    if pos >= end:
+        raise IndexError("basic.publish arguments are truncated")
     bits = payload[pos]
     return exchange, routing_key, bool(bits & 1), bool(bits & 2)
 

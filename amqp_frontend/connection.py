@@ -292,7 +292,7 @@ class Connection:
             body = bytes(buf[bpos + 7 : bend])
             after = bend + 1
         try:
-            exchange, rk, mandatory, immediate = codec.decode_publish(bytes(buf[pos + 7 : end]))
+            exchange, rk, mandatory, immediate = codec.decode_publish(buf, pos + 7, end)
         except (IndexError, UnicodeDecodeError):
             return 0
         try:

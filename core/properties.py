@@ -61,24 +61,33 @@ class PropertySummary:
 _NO_PROPERTIES = PropertySummary()
 
 
+_present_cache: dict[int, tuple[tuple[int, str, str], ...]] = {}
+
+
+def _present(flags: int) -> tuple[tuple[int, str, str], ...]:
+    """The fields a flags word announces, in wire order (cached: few distinct words occur)."""
+    fields = _present_cache.get(flags)
+    if fields is None:
+        fields = _present_cache[flags] = tuple(f for f in FIELDS if flags & f[0])
+    return fields
+
+
 def scan(raw: bytes) -> PropertySummary:
     """Read delivery mode, priority, expiration, user-id and where headers are.
 
     Hand-written because it runs once per published message: pamqp's full
-    decode costs several microseconds that most messages do not need.
+    decode costs several microseconds that most messages do not need. Only the
+    fields present are visited.
     """
     if raw == EMPTY:
         return _NO_PROPERTIES
     try:
         (flags,) = _u16.unpack_from(raw, 0)
+        if flags & 1:
+            raise PropertiesError("property flags continuation is not used by the basic class")
         pos = 2
-        while flags & 1:  # continuation flag words; basic uses none, skip them
-            (flags,) = _u16.unpack_from(raw, pos)
-            pos += 2
         out = PropertySummary()
-        for bit, name, kind in FIELDS:
-            if not flags & bit:
-                continue
+        for _bit, name, kind in _present(flags):
             if kind == "shortstr":
                 n = raw[pos]
                 if name == "expiration":
