@@ -35,6 +35,9 @@ def _parser() -> argparse.ArgumentParser:
 
 def parse_targets(urls: list[str], pids: list[str]) -> list[Target]:
     pid_of = dict(parse_named(p) for p in pids)
+    for name, pid in pid_of.items():
+        if pid != "auto" and not pid.isdigit():
+            raise ValueError(f"--pid {name}={pid}: expected a number or 'auto'")
     targets: list[Target] = []
     for spec in urls:
         name, url = parse_named(spec)

@@ -108,7 +108,10 @@ class Connection(asyncio.Protocol):
             return
         try:
             bye = commands.Connection.Close(reply_code=200, reply_text="bench done", class_id=0, method_id=0)
-            await asyncio.wait_for(self.rpc(0, bye), timeout)
+            fut = self._expect(0)
+            self.send(0, bye)
+            self._closing = True  # no acks/heartbeats after our Close
+            await asyncio.wait_for(fut, timeout)
         except (TimeoutError, AmqpError, ConnectionError):
             pass
         finally:
@@ -166,7 +169,8 @@ class Connection(asyncio.Protocol):
             return
         for raw in slow:
             self._dispatch(raw)
-        if self._closing:
+        # Once Connection.Close is sent or received only Close/CloseOk may follow.
+        if self._closing or self.transport is None or self.transport.is_closing():
             return
         if self.ack_every and scanner.deliveries - self._acked >= self.ack_every:
             self.write(encode_basic_ack(self.ack_channel, scanner.last_delivery_tag, multiple=True))

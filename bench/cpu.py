@@ -1,7 +1,10 @@
-"""Who used the CPUs during a run: the broker, this client, or something else.
+"""Who used the CPUs during a run: the broker, this client, the kernel, or something else.
 
 The broker and the client share a small machine, so another busy process
 silently skews every figure; recording the split makes such runs visible.
+Kernel work (interrupts, softirq network processing, writeback/journal
+threads flushing a broker's files) is reported apart from foreign processes:
+persistent scenarios legitimately cause a lot of it.
 """
 
 from __future__ import annotations
@@ -14,12 +17,23 @@ from bench.memory import PROC, descendants, pid_listening_on
 from bench.target import Target
 
 TICK = os.sysconf("SC_CLK_TCK")
+KTHREADD = 2  # parent of every kernel thread
 
 
-def _machine_busy_ticks() -> int:
-    fields = [int(x) for x in (PROC / "stat").read_text().split("\n", 1)[0].split()[1:]]
-    # user nice system idle iowait irq softirq steal ...: everything but idle and iowait.
-    return sum(fields) - fields[3] - fields[4]
+@dataclass(frozen=True)
+class _Sample:
+    when: float
+    busy: int  # all non-idle ticks on the machine
+    irq: int  # interrupt + softirq ticks (not charged to any process)
+    broker: int
+    client: int
+    kthreads: int
+
+
+def _machine_ticks() -> tuple[int, int]:
+    # user nice system idle iowait irq softirq steal [guest guest_nice: already inside user/nice]
+    f = [int(x) for x in (PROC / "stat").read_text().split("\n", 1)[0].split()[1:9]]
+    return sum(f) - f[3] - f[4], f[5] + f[6]
 
 
 def _proc_ticks(pid: int) -> int:
@@ -27,7 +41,7 @@ def _proc_ticks(pid: int) -> int:
         rest = (PROC / str(pid) / "stat").read_text().rpartition(")")[2].split()
     except OSError:
         return 0
-    return int(rest[11]) + int(rest[12])  # utime + stime
+    return int(rest[11]) + int(rest[12])  # utime + stime, all threads
 
 
 def _tree_ticks(pid: int) -> int:
@@ -41,39 +55,40 @@ def broker_pid_of(target: Target) -> int | None:
     return pid_listening_on(target.url.port)
 
 
-@dataclass(frozen=True)
-class CpuSplit:
-    broker: float | None  # CPUs (CPU-seconds per second); None when the broker PID is unknown
-    client: float
-    other: float | None
-
-
 class CpuWatch:
-    """Call :meth:`start` and :meth:`stop` around the measured window."""
+    """Call :meth:`start` and :meth:`stop_dict` around the measured window."""
 
     def __init__(self, broker_pid: int | None) -> None:
         self.broker_pid = broker_pid
         self._start = self._sample()
 
+    def _sample(self) -> _Sample:
+        busy, irq = _machine_ticks()
+        return _Sample(
+            when=time.monotonic(),
+            busy=busy,
+            irq=irq,
+            broker=_tree_ticks(self.broker_pid) if self.broker_pid else 0,
+            client=_tree_ticks(os.getpid()),  # this process and its live worker processes
+            kthreads=_tree_ticks(KTHREADD),
+        )
+
     def start(self) -> None:
         self._start = self._sample()
 
-    def _sample(self) -> tuple[float, int, int, int]:
-        broker = _tree_ticks(self.broker_pid) if self.broker_pid else 0
-        # This process plus its live worker processes.
-        return time.monotonic(), _machine_busy_ticks(), broker, _tree_ticks(os.getpid())
-
     def stop_dict(self) -> dict[str, float | None]:
-        split = self.stop()
-        return {"broker": split.broker, "client": split.client, "other": split.other}
+        """CPUs (CPU-seconds per second) used by broker, client, kernel and other processes.
 
-    def stop(self) -> CpuSplit:
-        t0, busy0, broker0, own0 = self._start
-        t1, busy1, broker1, own1 = self._sample()
-        per_s = 1.0 / ((t1 - t0) * TICK)
-        client = (own1 - own0) * per_s
-        if not self.broker_pid:
-            return CpuSplit(None, round(client, 2), None)
-        broker = (broker1 - broker0) * per_s
-        other = max(0.0, (busy1 - busy0) * per_s - broker - client)
-        return CpuSplit(round(broker, 2), round(client, 2), round(other, 2))
+        broker and other are None when the broker's PID is unknown.
+        """
+        a, b = self._start, self._sample()
+        per_s = 1.0 / ((b.when - a.when) * TICK)
+        client = (b.client - a.client) * per_s
+        kernel = (b.irq - a.irq + b.kthreads - a.kthreads) * per_s
+        out: dict[str, float | None] = {"broker": None, "client": round(client, 2), "kernel": round(kernel, 2),
+                                        "other": None}
+        if self.broker_pid:
+            broker = (b.broker - a.broker) * per_s
+            out["broker"] = round(broker, 2)
+            out["other"] = round(max(0.0, (b.busy - a.busy) * per_s - broker - client - kernel), 2)
+        return out

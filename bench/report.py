@@ -91,8 +91,13 @@ def render_table(scenarios: list[str], targets: list[Target], outcomes: Outcomes
         for (scenario, name), o in outcomes.items()
         if o.notes.get("routing_problem")
     ]
-    if problems or cleanup or routing:
-        lines += ["", "not measured / problems:", *problems, *routing, *cleanup]
+    warnings = [
+        f"  {scenario} on {name}: {o.notes['warning']}"
+        for (scenario, name), o in outcomes.items()
+        if o.notes.get("warning")
+    ]
+    if problems or cleanup or routing or warnings:
+        lines += ["", "not measured / problems:", *problems, *routing, *warnings, *cleanup]
     cpu_lines = [_cpu_line(scenario, name, cpu) for (scenario, name), o in outcomes.items()
                  if isinstance(cpu := o.notes.get("cpu"), dict)]
     if cpu_lines:
@@ -108,8 +113,8 @@ def _cpu_line(scenario: str, broker: str, cpu: dict[str, float | None]) -> str:
     def show(v: float | None) -> str:
         return "?" if v is None else f"{v:.2f}"
 
-    line = f"  {scenario} on {broker}: broker {show(cpu['broker'])}, client {show(cpu['client'])}, " \
-           f"other {show(cpu['other'])}"
+    line = (f"  {scenario} on {broker}: broker {show(cpu['broker'])}, client {show(cpu['client'])}, "
+            f"kernel {show(cpu.get('kernel'))}, other processes {show(cpu['other'])}")
     other = cpu.get("other")
     if other is not None and other > NOISY_OTHER_CPU:
         line += "  <- other processes were busy: figure unreliable, rerun"

@@ -12,7 +12,7 @@ import resource
 
 from bench import loop
 from bench.connection import Connection
-from bench.memory import pid_listening_on, tree_rss_kb
+from bench.memory import PROC, pid_listening_on, tree_rss_kb
 from bench.ops import open_channel
 from bench.results import Metric, RunOptions, Skipped
 from bench.target import Target
@@ -23,6 +23,8 @@ CONCURRENCY = 50
 SETTLE_STEP = 0.5
 SETTLE_TOLERANCE_KIB = 256
 SETTLE_MAX_SECONDS = 15.0
+# No real broker keeps an open connection + channel in under 1 KiB.
+SUSPICIOUSLY_LOW_KIB = 1.0
 
 
 def resolve_pid(target: Target) -> int:
@@ -33,7 +35,10 @@ def resolve_pid(target: Target) -> int:
         if pid is None:
             raise Skipped(f"--pid {target.name}=auto: no process found listening on port {target.url.port}")
         return pid
-    return int(target.pid)
+    pid = int(target.pid)
+    if not (PROC / str(pid)).is_dir():
+        raise Skipped(f"--pid {target.name}={pid}: no such process")
+    return pid
 
 
 def _raise_fd_limit(needed: int) -> None:
@@ -83,13 +88,14 @@ async def _run(target: Target, opts: RunOptions, pid: int) -> tuple[list[Metric]
             raise RuntimeError("some idle connections were closed by the broker")
     finally:
         await close_all()
-    delta = after - before
-    return [Metric("RSS per idle connection", delta / count, "KiB", "lower")], {
-        "pid": pid,
-        "connections": count,
-        "rss_before_kib": before,
-        "rss_after_kib": after,
-    }
+    per_conn = (after - before) / count
+    notes: dict[str, object] = {"pid": pid, "connections": count, "rss_before_kib": before, "rss_after_kib": after}
+    if per_conn < SUSPICIOUSLY_LOW_KIB:
+        notes["warning"] = (
+            f"RSS barely moved ({after - before} KiB for {count} connections): the broker likely reused memory "
+            "freed by earlier work; measure on a freshly started broker"
+        )
+    return [Metric("RSS per idle connection", per_conn, "KiB", "lower")], notes
 
 
 def run(target: Target, opts: RunOptions) -> tuple[list[Metric], dict[str, object]]:
