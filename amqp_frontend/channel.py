@@ -93,7 +93,16 @@ class Channel:
         self.next_tag = tag + 1
         if not consumer.no_ack:
             self.unacked[tag] = (qm, consumer, consumer.channel)
-        route_raw, content = self._wire(qm.message)
+        m = qm.message
+        if len(m.body) > codec.LARGE_BODY:
+            self.conn.write(
+                codec.deliver_frame(
+                    self.number, self._consumer_tag_raw[consumer.tag], tag, qm.redelivered, m.exchange, m.routing_key
+                )
+            )
+            self.conn.write_content(self.number, m.props, m.body)
+            return
+        route_raw, content = self._wire(m)
         self.conn.write(
             codec.delivery(self.number, self._consumer_tag_raw[consumer.tag], tag, qm.redelivered, route_raw, content)
         )

@@ -99,7 +99,7 @@ class Connection:
         self.state = State.AWAIT_HEADER
         self.should_close = False
         self._buf = bytearray()
-        self._out: list[bytes] = []
+        self._out: list[bytes | memoryview] = []
         self.out_bytes = 0
         self.transport_paused = False
         self.channels: dict[int, Channel] = {}
@@ -133,7 +133,7 @@ class Connection:
     def write_blocked(self) -> bool:
         return self.transport_paused or self.out_bytes > self.settings.write_high_water
 
-    def write(self, data: bytes) -> None:
+    def write(self, data: bytes | memoryview) -> None:
         self._out.append(data)
         self.out_bytes += len(data)
         if not self._output_signalled:
@@ -142,7 +142,12 @@ class Connection:
                 self.on_output()
 
     def write_content(self, channel: int, props: bytes, body: bytes) -> None:
-        for f in codec.content_frames(channel, props, body, self.frame_max):
+        frames = (
+            codec.content_pieces(channel, props, body, self.frame_max)
+            if len(body) > codec.LARGE_BODY
+            else codec.content_frames(channel, props, body, self.frame_max)
+        )
+        for f in frames:
             self.write(f)
 
     def send_method(self, channel: int, method: Method) -> None:
@@ -153,7 +158,8 @@ class Connection:
         self._output_signalled = False
         if not self._out:
             return b""
-        data = b"".join(self._out) if len(self._out) > 1 else self._out[0]
+        out = self._out
+        data = b"".join(out) if len(out) > 1 or not isinstance(out[0], bytes) else out[0]
         self._out = []
         self.out_bytes = 0
         self.last_sent = self._now if self._manual_clock else time.monotonic()
@@ -243,7 +249,12 @@ class Connection:
                     if done:
                         pos = done
                         continue
-                payload = bytes(buf[pos + 7 : end])
+                if size > 4096:
+                    # One copy, not two (a bytearray slice, then bytes of it).
+                    with memoryview(buf) as view:
+                        payload = view[pos + 7 : end].tobytes()
+                else:
+                    payload = bytes(buf[pos + 7 : end])
                 pos = end + 1
                 self._frame(ftype, channel, payload)
                 frame_max = self.frame_max

@@ -30,7 +30,7 @@ import decimal
 import subprocess
 import time
 import uuid
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -142,10 +142,10 @@ class Got:
 
 
 def drain_queue(ch: BlockingChannel, queue: str, expected: int, timeout: float = 60.0) -> list[Got]:
-    """Consume (auto-ack) until ``expected`` messages arrived, then until 1 s passes without another."""
+    """Consume (auto-ack) until ``expected`` messages arrived, then until 0.3 s passes without another."""
     got: list[Got] = []
     deadline = time.monotonic() + timeout
-    for method, props, body in ch.consume(queue, auto_ack=True, inactivity_timeout=1.0):
+    for method, props, body in ch.consume(queue, auto_ack=True, inactivity_timeout=0.3):
         if method is None:
             if len(got) >= expected or time.monotonic() > deadline:
                 break
@@ -187,8 +187,7 @@ def publish_confirmed(node: NodeProcess, messages: list[tuple[str, str, bytes, i
     assert not pub.nacked(), f"nacked: {sorted(pub.nacked())[:20]}"
 
 
-def assert_not_found(ch_factory: Callable[[], BlockingChannel], queue: str) -> None:
-    ch = ch_factory()
+def assert_not_found(ch: BlockingChannel, queue: str) -> None:
     with pytest.raises(pika.exceptions.ChannelClosedByBroker) as info:
         ch.queue_declare(queue, passive=True)
     assert info.value.reply_code == 404, info.value
@@ -295,7 +294,7 @@ def test_kill9_mid_stream_keeps_every_confirmed_message_once_and_in_order(node: 
         assert not method.redelivered
 
     with blocking(node) as ch:
-        assert_not_found(lambda: ch, transient_queue)
+        assert_not_found(ch, transient_queue)
 
 
 # -- 2. acked messages stay acked -------------------------------------------------------------------
@@ -374,7 +373,7 @@ def test_graceful_restart_keeps_messages_deletes_and_purges(node: NodeProcess) -
         method, _props, body = ch.basic_get(keep, auto_ack=True)
         assert method is not None and body == b"routed"
     with blocking(node) as ch:
-        assert_not_found(lambda: ch, gone)
+        assert_not_found(ch, gone)
 
 
 # -- 4. properties byte for byte -----------------------------------------------------------------------
@@ -460,7 +459,7 @@ def test_message_properties_survive_restart_byte_for_byte(node: NodeProcess) -> 
         raw.open_channel(1)
         raw.send(commands.Basic.Get(queue=queue, no_ack=True), 1)
         get_ok = raw.expect(commands.Basic.GetOk, timeout=15)
-        assert get_ok.redelivered
+        assert get_ok.redelivered and (get_ok.exchange, get_ok.routing_key) == ("", queue)
         frame_type, _channel, payload = raw.read_frame_bytes(timeout=15)
         assert frame_type == 2
         assert payload == expected_header, "content header (properties) changed across the restart"
@@ -518,54 +517,153 @@ async def _publish_and_settle(port: int, messages: list[tuple[str, str, bytes, i
     return pub
 
 
-def test_postgres_outage_nacks_persistent_publishes_then_recovers(tmp_path: Path) -> None:
+Outage = tuple[RestartablePostgres, NodeProcess]
+
+
+@pytest.fixture(scope="module")
+def restartable_postgres() -> Iterator[RestartablePostgres]:
+    """A PostgreSQL server the outage tests stop and start again on the same port."""
     server = RestartablePostgres()
-    node = NodeProcess(tmp_path / "data", tmp_path / "logs", [])
     try:
         server.create()
-        node.store_args = ["--store", "postgres", "--postgres-dsn", server.dsn]
-        node.start()
-        queue, transient_queue = name("outage"), name("outage-transient")
-        with blocking(node) as ch:
-            ch.queue_declare(queue, durable=True)
-            ch.queue_declare(transient_queue, durable=False)
-        publish_confirmed(node, [("", queue, seq_body(0), 2)])  # healthy store: confirmed
+        yield server
+    finally:
+        server.close()
 
-        server.stop()
-        pub = asyncio.run(_publish_and_settle(node.amqp_port, [("", queue, seq_body(i), 2) for i in range(1, 21)],
-                                              timeout=60))
-        assert not pub.anomalies, pub.anomalies
-        assert pub.lowest_waiting > pub.published, f"publishes never settled: {pub.close_reason}"
-        assert not pub.acked(), f"confirmed while the store is down: {sorted(pub.acked())}"
-        assert len(pub.nacked()) == 20
-        assert node.running(), node.stderr_tail()
-        # what does not need the store is still confirmed
-        pub = asyncio.run(_publish_and_settle(node.amqp_port, [("", transient_queue, b"t", 1)], timeout=30))
-        assert pub.acked() == {1}, (pub.status, pub.close_reason)
 
+@pytest.fixture
+def outage(restartable_postgres: RestartablePostgres, tmp_path: Path) -> Iterator[Outage]:
+    """A node on a fresh database of the restartable server (running again after the test)."""
+    import psycopg
+    from psycopg import sql
+    from psycopg.conninfo import make_conninfo
+
+    server = restartable_postgres
+    if server.proc is None or server.proc.poll() is not None:
         server.start()
-        deadline = time.monotonic() + 45
-        recovered = False
-        while time.monotonic() < deadline and not recovered:
-            pub = asyncio.run(_publish_and_settle(node.amqp_port, [("", queue, b"after-outage", 2)], timeout=30))
-            assert not pub.anomalies, pub.anomalies
-            recovered = pub.acked() == {1}
-            if not recovered:
-                time.sleep(0.5)
-        assert recovered, f"publishes still not confirmed after Postgres came back:\n{node.stderr_tail()}"
-
-        # and what was confirmed after the outage is really stored
-        node.kill()
-        node.start()
-        with blocking(node) as ch:
-            got = drain_queue(ch, queue, ch.queue_declare(queue, durable=True, passive=True).method.message_count)
-        bodies = [g.body for g in got]
-        assert bodies[0] == seq_body(0)
-        assert b"after-outage" in bodies
-        assert len(set(bodies)) == len(bodies)
+    db = f"leveret_outage_{uuid.uuid4().hex}"
+    with psycopg.connect(server.dsn, autocommit=True) as conn:
+        conn.execute(sql.SQL("CREATE DATABASE {}").format(sql.Identifier(db)))
+    node = NodeProcess(tmp_path / "data", tmp_path / "logs",
+                       ["--store", "postgres", "--postgres-dsn", make_conninfo(server.dsn, dbname=db)])
+    try:
+        yield server, node
     finally:
         node.cleanup()
-        server.close()
+        if server.proc is None or server.proc.poll() is not None:
+            server.start()
+        with psycopg.connect(server.dsn, autocommit=True) as conn:
+            conn.execute(sql.SQL("DROP DATABASE IF EXISTS {} WITH (FORCE)").format(sql.Identifier(db)))
+
+
+def publish_until_confirmed(node: NodeProcess, queue: str, body: bytes, timeout: float = 45) -> bytes | None:
+    """After an outage: publish ``body``-N until one is confirmed; return the confirmed body (None: never)."""
+    deadline = time.monotonic() + timeout
+    attempt = 0
+    while time.monotonic() < deadline:
+        attempt += 1
+        this = b"%s-%d" % (body, attempt)
+        pub = asyncio.run(_publish_and_settle(node.amqp_port, [("", queue, this, 2)], timeout=30))
+        assert not pub.anomalies, pub.anomalies
+        if pub.acked() == {1}:
+            return this
+        time.sleep(0.5)
+    return None
+
+
+def test_postgres_outage_nacks_persistent_publishes_then_recovers(outage: Outage) -> None:
+    server, node = outage
+    node.start()
+    queue, transient_queue = name("outage"), name("outage-transient")
+    with blocking(node) as ch:
+        ch.queue_declare(queue, durable=True)
+        ch.queue_declare(transient_queue, durable=False)
+    publish_confirmed(node, [("", queue, seq_body(0), 2)])  # healthy store: confirmed
+
+    server.stop()
+    pub = asyncio.run(_publish_and_settle(node.amqp_port, [("", queue, seq_body(i), 2) for i in range(1, 21)],
+                                          timeout=60))
+    assert not pub.anomalies, pub.anomalies
+    assert pub.lowest_waiting > pub.published, f"publishes never settled: {pub.close_reason}"
+    assert not pub.acked(), f"confirmed while the store is down: {sorted(pub.acked())}"
+    assert len(pub.nacked()) == 20
+    assert node.running(), node.stderr_tail()
+    # what does not need the store is still confirmed
+    pub = asyncio.run(_publish_and_settle(node.amqp_port, [("", transient_queue, b"t", 1)], timeout=30))
+    assert pub.acked() == {1}, (pub.status, pub.close_reason)
+
+    server.start()
+    confirmed = publish_until_confirmed(node, queue, b"after-outage")
+    assert confirmed is not None, f"publishes still not confirmed after Postgres came back:\n{node.stderr_tail()}"
+
+    # and what was confirmed after the outage is really stored
+    node.kill()
+    node.start()
+    with blocking(node) as ch:
+        got = drain_queue(ch, queue, ch.queue_declare(queue, durable=True, passive=True).method.message_count)
+    bodies = [g.body for g in got]
+    assert bodies[0] == seq_body(0)
+    assert confirmed in bodies
+    assert len(set(bodies)) == len(bodies)
+
+
+def test_durable_queue_declared_during_postgres_outage_is_not_silently_dropped(outage: Outage) -> None:
+    """declare-ok for a durable queue is a promise: if the node cannot store the queue it
+    must refuse the declare, or store it once the store is back. It must not drop it later."""
+    server, node = outage
+    node.start()
+    queue = name("declared-in-outage")
+    server.stop()
+    with blocking(node) as ch:
+        try:
+            ch.queue_declare(queue, durable=True)
+        except pika.exceptions.AMQPError:
+            return  # refused while the store is down: nothing was promised
+    server.start()
+    confirmed = publish_until_confirmed(node, queue, b"after-outage")
+    with blocking(node) as ch:
+        try:
+            count = ch.queue_declare(queue, durable=True, passive=True).method.message_count
+        except pika.exceptions.ChannelClosedByBroker as exc:
+            pytest.fail(f"the queue declared (declare-ok) during the outage vanished after Postgres came back: "
+                        f"{exc}; node log:\n{node.stderr_tail(1500)}")
+    assert confirmed is not None and count >= 1, "publishes to the queue never confirmed after the outage"
+    node.kill()
+    node.start()
+    with blocking(node) as ch:
+        got = drain_queue(ch, queue, ch.queue_declare(queue, durable=True, passive=True).method.message_count)
+    assert confirmed in [g.body for g in got]
+
+
+def test_durable_queue_deleted_during_postgres_outage_stays_deleted(outage: Outage) -> None:
+    """delete-ok is a promise too: the queue and its messages must not come back after a restart."""
+    server, node = outage
+    node.start()
+    queue = name("deleted-in-outage")
+    with blocking(node) as ch:
+        ch.queue_declare(queue, durable=True)
+    publish_confirmed(node, [("", queue, b"doomed", 2)])
+    server.stop()
+    with blocking(node) as ch:
+        try:
+            ch.queue_delete(queue)
+        except pika.exceptions.AMQPError:
+            return  # refused while the store is down: nothing was promised
+    server.start()
+    # the store works again (a confirmed publish to another durable queue), then a crash
+    other = name("other")
+    with blocking(node) as ch:
+        ch.queue_declare(other, durable=True)
+    assert publish_until_confirmed(node, other, b"after-outage") is not None
+    node.kill()
+    node.start()
+    with blocking(node) as ch:
+        try:
+            count = ch.queue_declare(queue, durable=True, passive=True).method.message_count
+        except pika.exceptions.ChannelClosedByBroker as exc:
+            assert exc.reply_code == 404
+            return
+    pytest.fail(f"the queue deleted (delete-ok) during the outage is back after a restart, with {count} message(s)")
 
 
 # -- 6. requeued (nacked) messages -------------------------------------------------------------------
