@@ -106,17 +106,41 @@ class GroupCommitter:
     # -- the flusher -----------------------------------------------------------
     async def _flush_all(self) -> None:
         await asyncio.sleep(0)  # let the rest of this loop turn join the batch
+        backoff = 0.2
         while self._items:
-            item = self._items.pop(0)
+            item = self._items[0]
             if isinstance(item, _Pending):
+                self._items.pop(0)
                 await self._commit(item)
-            else:
-                try:
-                    await item()
-                except StoreError as exc:
-                    self.failures += 1
-                    self.last_error = str(exc)
-                    log.error("store topology write failed", extra={"error": str(exc)})
+                continue
+            try:
+                await item()
+            except StoreError as exc:
+                # A topology change must land before anything queued behind it
+                # (a queue before its messages), so it stays first and is retried;
+                # the message batches behind it fail now (their publishes are nacked)
+                # rather than wait for a store that may be gone for long.
+                self.failures += 1
+                if self.last_error is None:
+                    log.error("store topology write failed; retrying, publishes are nacked meanwhile",
+                              extra={"error": str(exc)})
+                self.last_error = str(exc)
+                behind = [p for p in self._items[1:] if isinstance(p, _Pending)]
+                rest: list[_Pending | Callable[[], Awaitable[None]]] = [
+                    op for op in self._items[1:] if not isinstance(op, _Pending)
+                ]
+                self._items = [item, *rest]
+                for p in behind:
+                    for done in p.callbacks:
+                        done(exc)
+                await asyncio.sleep(backoff)
+                backoff = min(backoff * 2, 5.0)
+                continue
+            self._items.pop(0)
+            backoff = 0.2
+            if self.last_error is not None:
+                log.warning("store recovered", extra={"after": self.last_error})
+                self.last_error = None
 
     async def _commit(self, p: _Pending) -> None:
         batch = p.batch

@@ -125,7 +125,11 @@ class Node:
         self._monitor.cancel()
         await self.amqp.stop()
         if self.broker.committer is not None:
-            await self.broker.committer.drain()
+            try:
+                await asyncio.wait_for(self.broker.committer.drain(), timeout=10)
+            except TimeoutError:
+                log.error("store writes still pending at shutdown (store unreachable?); they are lost",
+                          extra={"store": self.store.description if self.store else "-"})
         if self.store is not None:
             await self.store.close()
         log.info("node stopped", extra={"node": self.broker.node_id})
