@@ -106,7 +106,8 @@ def _start(pg_dir: Path, data: Path, log_path: Path, popen_user: dict[str, Any])
                     "-p", str(port),
                     "-k", str(pg_dir),
                     "-c", "listen_addresses=127.0.0.1",
-                    "-c", "fsync=off",
+                    # Tests need no crash safety of Postgres itself; benchmarks set LEVERET_PG_FSYNC=on.
+                    "-c", f"fsync={os.environ.get('LEVERET_PG_FSYNC', 'off')}",
                     "-c", "synchronous_commit=off",
                     "-c", "full_page_writes=off",
                     "-c", "max_connections=200",
