@@ -463,6 +463,28 @@ class Queue:
         if self._on_dead_letter is not None and self.args.dead_letter_exchange is not None:
             self._on_dead_letter(self, messages, reason)
 
+    # -- extra channels (native API) -------------------------------------------
+    def add_channel(self, name: str, topic_filter: Callable[[str], bool] | None = None) -> QueueChannel:
+        """An extra receiver end: it sees every later message whose routing key ``topic_filter`` accepts."""
+        ch = QueueChannel(self, name, topic_filter)
+        self.channels.append(ch)
+        return ch
+
+    def remove_channel(self, ch: QueueChannel) -> int:
+        """Remove a channel other than the default: cancel its consumers, drop its ready messages."""
+        if ch is self.default or ch not in self.channels:
+            return 0
+        self.channels.remove(ch)
+        ch.cancel_timers()
+        consumers = list(ch.consumers)
+        ch.consumers.clear()
+        count = ch.purge()
+        for c in consumers:
+            c.sink.consumer_cancelled(c)
+        if consumers:
+            self.consumer_removed()
+        return count
+
     # -- counts ----------------------------------------------------------------
     @property
     def message_count(self) -> int:

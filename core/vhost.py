@@ -56,6 +56,8 @@ class VirtualHost:
         self.queues: dict[str, Queue] = {}
         # Observers of queue deletion (channels tracking their last-declared queue, etc.).
         self.on_queue_deleted: list[Callable[[Queue], None]] = []
+        # Observers of queue creation (the native API's cluster watch).
+        self.on_queue_declared: list[Callable[[Queue], None]] = []
         for xname, xtype in STANDARD_EXCHANGES:
             self.exchanges[xname] = make_exchange(xtype, xname, durable=True)
 
@@ -191,6 +193,8 @@ class VirtualHost:
             # Every queue is bound to the default exchange by its name; that
             # binding is implicit (see route), not stored.
             log.debug("queue declared", extra={"vhost": self.name, "queue": name})
+            for observer in list(self.on_queue_declared):
+                observer(q)
             return q
         self.get_queue(name, owner)  # exclusive check -> 405
         if exclusive != existing.exclusive:

@@ -36,7 +36,7 @@ class NodeConfig:
 HELP = {
     "bind": "address the listeners bind to",
     "amqp_port": "AMQP 0-9-1 port",
-    "grpc_port": "native gRPC API port (reserved; the API arrives in a later release)",
+    "grpc_port": "native gRPC API port (see docs/GRPC.md)",
     "data_dir": "directory of the embedded store",
     "node_id": "this node's name in logs and the cluster (default leveret@<hostname>)",
     "log_level": "debug, info, warning or error",

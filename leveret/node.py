@@ -17,6 +17,7 @@ from core.group_commit import GroupCommitter
 from core.store import MessageStore, StoreError
 from leveret import __version__
 from leveret.config import NodeConfig
+from leveret.grpc_server import GRPCServer
 
 log = logging.getLogger("leveret.node")
 
@@ -38,6 +39,7 @@ class Node:
                 version=__version__,
             ),
         )
+        self.grpc = GRPCServer(self.broker, config.max_message_size)
 
     def _make_store(self) -> MessageStore:
         cfg = self.config
@@ -81,12 +83,14 @@ class Node:
         Path(self.config.data_dir).mkdir(parents=True, exist_ok=True)
         await self._open_store()
         await self.amqp.start(self.config.bind, self.config.amqp_port)
+        await self.grpc.start(self.config.bind, self.config.grpc_port)
         self._monitor = asyncio.create_task(self._watch_memory())
         log.info(
             "node started",
             extra={
                 "node": self.broker.node_id,
                 "amqp": f"{self.config.bind}:{self.amqp.port}",
+                "grpc": f"{self.config.bind}:{self.grpc.port}",
                 "data_dir": os.path.abspath(self.config.data_dir),
                 "pid": os.getpid(),
             },
@@ -123,6 +127,7 @@ class Node:
     async def stop(self) -> None:
         log.info("node stopping", extra={"node": self.broker.node_id, "connections": len(self.amqp.connections)})
         self._monitor.cancel()
+        await self.grpc.stop()
         await self.amqp.stop()
         if self.broker.committer is not None:
             try:

@@ -1,0 +1,568 @@
+"""The native gRPC API (``leveret.v1.Broker``) on top of the core.
+
+It mirrors amqp_frontend/channel.py: a push is a publish to the default
+exchange with the topic as routing key, straight into one queue; a
+subscription is a ``Consumer`` on one ``QueueChannel`` and implements
+``core.queue.ConsumerSink`` (credit = prefetch, deliveries gathered and sent
+several per stream response). A native channel is an extra ``QueueChannel``
+on the queue with a topic filter; the queue's default channel (id
+``"<queue>/"``) is the one AMQP consumers share.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import itertools
+import logging
+import os
+import time
+from collections import deque
+from collections.abc import AsyncIterator, Callable
+from typing import Any
+
+import grpc
+
+from core import properties
+from core.broker import Broker, User
+from core.errors import BrokerError, PreconditionFailed
+from core.grpc_api import leveret_pb2 as pb
+from core.grpc_api import leveret_pb2_grpc as pb_grpc
+from core.message import Message, QueuedMessage
+from core.queue import Consumer, Queue, QueueChannel
+from core.topic import topic_matches
+from core.vhost import VirtualHost
+
+log = logging.getLogger("leveret.grpc")
+
+DEFAULT_PREFETCH = 1000
+DEFAULT_BATCH = 512
+# Auto-ack subscriptions stop taking messages while this many wait to be sent.
+AUTO_ACK_BUFFER = 4096
+
+# The owner of queues declared through the native API (never exclusive).
+GRPC_OWNER = object()
+
+_STATUS = {
+    404: grpc.StatusCode.NOT_FOUND,
+    403: grpc.StatusCode.PERMISSION_DENIED,
+    405: grpc.StatusCode.FAILED_PRECONDITION,
+    406: grpc.StatusCode.FAILED_PRECONDITION,
+    530: grpc.StatusCode.PERMISSION_DENIED,
+    540: grpc.StatusCode.UNIMPLEMENTED,
+}
+
+_TRANSIENT = (properties.EMPTY, properties.scan(properties.EMPTY))
+_PERSISTENT_RAW = properties.encode({"delivery_mode": 2})
+_PERSISTENT = (_PERSISTENT_RAW, properties.scan(_PERSISTENT_RAW))
+
+_PROPERTY_NAMES = {name for _bit, name, _kind in properties.FIELDS} - {"headers"}
+_INT_PROPERTIES = {"delivery_mode", "priority", "timestamp"}
+
+
+def status_of(exc: BrokerError) -> grpc.StatusCode:
+    return _STATUS.get(exc.code, grpc.StatusCode.INTERNAL)
+
+
+class ApiError(Exception):
+    """A refusal with its gRPC status (raised inside handlers, turned into an abort)."""
+
+    def __init__(self, code: grpc.StatusCode, details: str) -> None:
+        super().__init__(details)
+        self.code = code
+        self.details = details
+
+
+# -- properties ---------------------------------------------------------------
+def encode_properties(props: dict[str, str], persistent: bool) -> bytes:
+    """A Push's string map as AMQP basic properties (unknown names become headers)."""
+    out: dict[str, Any] = {}
+    headers: dict[str, Any] = {}
+    for key, value in props.items():
+        if key in _PROPERTY_NAMES:
+            if key in _INT_PROPERTIES:
+                try:
+                    out[key] = int(value)
+                except ValueError:
+                    raise ApiError(grpc.StatusCode.INVALID_ARGUMENT, f"property {key} must be an integer") from None
+            else:
+                out[key] = value
+        else:
+            headers[key] = value
+    if headers:
+        out["headers"] = headers
+    out["delivery_mode"] = 2 if persistent else out.get("delivery_mode", 1)
+    try:
+        return properties.encode(out)
+    except (properties.PropertiesError, ValueError, TypeError) as exc:
+        raise ApiError(grpc.StatusCode.INVALID_ARGUMENT, f"properties do not encode: {exc}") from None
+
+
+def _text(value: Any) -> str:
+    if isinstance(value, bytes | bytearray | memoryview):
+        return bytes(value).decode("utf-8", "replace")
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    return str(value)
+
+
+_decoded: dict[bytes, dict[str, str]] = {}
+
+
+def decode_properties(raw: bytes) -> dict[str, str]:
+    """AMQP properties as the string map of a Delivery (cached: few distinct encodings occur)."""
+    cached = _decoded.get(raw)
+    if cached is not None:
+        return cached
+    out: dict[str, str] = {}
+    try:
+        decoded = properties.decode(raw)
+    except properties.PropertiesError:
+        decoded = {}
+    for key, value in decoded.items():
+        if key == "headers":
+            for hk, hv in value.items():
+                out.setdefault(hk, _text(hv))
+        else:
+            out[key] = _text(value)
+    if len(_decoded) > 1024:
+        _decoded.clear()
+    _decoded[raw] = out
+    return out
+
+
+# -- filters ------------------------------------------------------------------
+def make_filter(kind: int, topic: str) -> tuple[int, Callable[[str], bool] | None]:
+    if kind == pb.FILTER_AUTO:
+        if not topic:
+            kind = pb.FILTER_NONE
+        elif "*" in topic or "#" in topic:
+            kind = pb.FILTER_PATTERN
+        else:
+            kind = pb.FILTER_EXACT
+    if kind == pb.FILTER_NONE:
+        return kind, None
+    if kind == pb.FILTER_EXACT:
+        return kind, topic.__eq__
+    if kind == pb.FILTER_PREFIX:
+        return kind, lambda rk: rk.startswith(topic)
+    if kind == pb.FILTER_PATTERN:
+        return kind, lambda rk: topic_matches(topic, rk)
+    raise ApiError(grpc.StatusCode.INVALID_ARGUMENT, f"unknown filter kind {kind}")
+
+
+# -- subscriptions ------------------------------------------------------------
+class Subscription:
+    """One Subscribe stream: a consumer on a queue channel, and its ConsumerSink."""
+
+    def __init__(self, api: BrokerServicer, qch: QueueChannel, prefetch: int, auto_ack: bool, max_batch: int) -> None:
+        self.api = api
+        self.qch = qch
+        self.prefetch = prefetch
+        self.auto_ack = auto_ack
+        self.max_batch = max_batch
+        self.pending: deque[tuple[int, QueuedMessage]] = deque()
+        self.unacked: dict[int, QueuedMessage] = {}
+        self.wakeup = asyncio.Event()
+        self.cancelled = False
+        self.closed = False
+        tag = f"grpc-{os.urandom(6).hex()}"
+        self.consumer = Consumer(tag, qch, self, no_ack=auto_ack, prefetch=prefetch)
+
+    # ConsumerSink
+    def has_credit(self, consumer: Consumer) -> bool:
+        if self.closed:
+            return False
+        if self.auto_ack:
+            return len(self.pending) < AUTO_ACK_BUFFER
+        return consumer.unacked < self.prefetch
+
+    def deliver(self, consumer: Consumer, qm: QueuedMessage) -> None:
+        did = next(self.api.delivery_ids)
+        if not self.auto_ack:
+            self.unacked[did] = qm
+            self.api.deliveries[did] = self
+        self.pending.append((did, qm))
+        self.wakeup.set()
+
+    def consumer_cancelled(self, consumer: Consumer) -> None:
+        self.cancelled = True
+        self.wakeup.set()
+
+    # settlement
+    def settle(self, did: int) -> None:
+        qm = self.unacked.pop(did)
+        self.qch.settle(qm, self.consumer)
+
+    def take_batch(self) -> pb.SubscribeResponse:
+        response = pb.SubscribeResponse()
+        add = response.messages.add  # add() in place: ~2.5x cheaper than building a list of Delivery
+        pending = self.pending
+        empty = properties.EMPTY
+        for _ in range(min(len(pending), self.max_batch)):
+            did, qm = pending.popleft()
+            m = qm.message
+            d = add(
+                delivery_id=did,
+                id=m.id,
+                topic=m.routing_key,
+                content=m.body if type(m.body) is bytes else bytes(m.body),
+                offset=qm.offset,
+                timestamp_ms=int(m.timestamp * 1000),
+                redelivered=qm.redelivered,
+                delivery_count=qm.delivery_count,
+            )
+            if m.props != empty:
+                d.properties.update(decode_properties(m.props))
+        return response
+
+    def close(self) -> None:
+        """The stream ended: the consumer goes, what it held unacked is requeued."""
+        if self.closed:
+            return
+        self.closed = True
+        self.qch.remove_consumer(self.consumer)
+        for did in self.unacked:
+            self.api.deliveries.pop(did, None)
+        if self.unacked and not self.qch.queue.deleted:
+            items = [(qm, self.consumer) for qm in self.unacked.values()]
+            self.unacked.clear()
+            self.qch.requeue(items)
+        self.pending.clear()
+
+
+# -- the servicer -------------------------------------------------------------
+class BrokerServicer(pb_grpc.BrokerServicer):
+    def __init__(self, broker: Broker) -> None:
+        self.broker = broker
+        self.delivery_ids = itertools.count(1)
+        self.deliveries: dict[int, Subscription] = {}
+        self.watchers: list[asyncio.Queue[pb.ClusterEvent]] = []
+        self._channel_names = itertools.count(1)
+        # (username, password, peer host) -> user: one PBKDF2 check per client, not per call.
+        self._logins: dict[tuple[str, bytes, str | None], User] = {}
+        for vh in broker.vhosts.values():
+            self._observe(vh)
+
+    # -- plumbing ----------------------------------------------------------------
+    def _observe(self, vh: VirtualHost) -> None:
+        vh.on_queue_declared.append(lambda q: self._event(pb.ClusterEvent.QUEUE_CREATED, q))
+        vh.on_queue_deleted.append(lambda q: self._event(pb.ClusterEvent.QUEUE_DELETED, q))
+
+    def _event(self, kind: int, q: Queue) -> None:
+        if not self.watchers:
+            return
+        ev = pb.ClusterEvent(
+            kind=kind,  # type: ignore[arg-type]
+            node=self.broker.node_id,
+            vhost=q.vhost,
+            queue=q.name,
+            timestamp_ms=int(time.time() * 1000),
+        )
+        for w in self.watchers:
+            w.put_nowait(ev)
+
+    def close(self) -> None:
+        """Server stopping: end every watch stream."""
+        for w in self.watchers:
+            w.put_nowait(pb.ClusterEvent(kind=pb.ClusterEvent.KIND_UNSPECIFIED))
+
+    def _login(self, context: grpc.aio.ServicerContext) -> tuple[User, VirtualHost]:
+        md = {k: v for k, v in (context.invocation_metadata() or ())}
+        username, password = md.get("username"), md.get("password")
+        if not isinstance(username, str) or not isinstance(password, str):
+            raise ApiError(grpc.StatusCode.UNAUTHENTICATED, "send the metadata 'username' and 'password'")
+        host = _peer_host(context.peer())
+        key = (username, hashlib.sha256(password.encode()).digest(), host)
+        user = self._logins.get(key)
+        if user is None or self.broker.users.get(username) is not user:
+            try:
+                user = self.broker.authenticate(username, password, host)
+            except BrokerError as exc:
+                raise ApiError(grpc.StatusCode.UNAUTHENTICATED, exc.text) from None
+            if len(self._logins) > 1024:
+                self._logins.clear()
+            self._logins[key] = user
+        vhost = md.get("vhost") or "/"
+        vh = self.broker.open_vhost(user, str(vhost))
+        return user, vh
+
+    @staticmethod
+    def _queue(vh: VirtualHost, name: str) -> Queue:
+        if not name:
+            raise ApiError(grpc.StatusCode.INVALID_ARGUMENT, "a queue name is required")
+        return vh.get_queue(name, GRPC_OWNER)
+
+    def _channel(self, vh: VirtualHost, channel_id: str) -> QueueChannel:
+        queue, sep, name = channel_id.rpartition("/")
+        if not sep or not queue:
+            raise ApiError(grpc.StatusCode.INVALID_ARGUMENT, f"channel id {channel_id!r} is not '<queue>/<name>'")
+        q = self._queue(vh, queue)
+        for ch in q.channels:
+            if ch.name == name:
+                return ch
+        raise ApiError(grpc.StatusCode.NOT_FOUND, f"no channel '{name}' on queue '{queue}' in vhost '{vh.name}'")
+
+    @staticmethod
+    def _queue_info(q: Queue) -> pb.QueueInfo:
+        return pb.QueueInfo(
+            name=q.name, durable=q.durable, messages=q.message_count, consumers=q.consumer_count,
+            channels=len(q.channels), auto_delete=q.auto_delete, exclusive=q.exclusive,
+        )
+
+    @staticmethod
+    def _channel_info(ch: QueueChannel) -> pb.ChannelInfo:
+        kind, topic = getattr(ch, "grpc_filter", (pb.FILTER_NONE, ""))
+        return pb.ChannelInfo(
+            id=f"{ch.queue.name}/{ch.name}", queue=ch.queue.name, name=ch.name, topic=topic, kind=kind,
+            ready=len(ch.ready), unacked=ch.unacked, consumers=len(ch.consumers),
+        )
+
+    # -- queues ------------------------------------------------------------------
+    async def CreateQueue(self, request: pb.CreateQueueRequest, context: Any) -> pb.QueueInfo:
+        async with _errors(context):
+            _, vh = self._login(context)
+            if not request.name:
+                raise ApiError(grpc.StatusCode.INVALID_ARGUMENT, "a queue name is required")
+            if request.name in vh.queues and not request.exist_ok:
+                raise ApiError(grpc.StatusCode.ALREADY_EXISTS,
+                               f"queue '{request.name}' already exists in vhost '{vh.name}'")
+            arguments: dict[str, Any] = {}
+            if request.max_length:
+                arguments["x-max-length"] = request.max_length
+            if request.message_ttl_ms:
+                arguments["x-message-ttl"] = request.message_ttl_ms
+            q = vh.declare_queue(
+                request.name, GRPC_OWNER, durable=request.durable, auto_delete=request.auto_delete,
+                arguments=arguments,
+            )
+            return self._queue_info(q)
+        raise AssertionError("unreachable")
+
+    async def DeleteQueue(self, request: pb.DeleteQueueRequest, context: Any) -> pb.DeleteQueueResponse:
+        async with _errors(context):
+            _, vh = self._login(context)
+            self._queue(vh, request.name)  # NOT_FOUND for a missing queue, unlike AMQP
+            n = vh.delete_queue(request.name, GRPC_OWNER, if_unused=request.if_unused, if_empty=request.if_empty)
+            return pb.DeleteQueueResponse(messages_dropped=n)
+        raise AssertionError("unreachable")
+
+    async def ListQueues(self, request: pb.ListQueuesRequest, context: Any) -> pb.ListQueuesResponse:
+        async with _errors(context):
+            _, vh = self._login(context)
+            return pb.ListQueuesResponse(queues=[self._queue_info(q) for q in vh.queues.values()])
+        raise AssertionError("unreachable")
+
+    # -- channels ----------------------------------------------------------------
+    async def CreateChannel(self, request: pb.CreateChannelRequest, context: Any) -> pb.ChannelInfo:
+        async with _errors(context):
+            _, vh = self._login(context)
+            q = self._queue(vh, request.queue)
+            name = request.name or f"ch-{next(self._channel_names)}-{os.urandom(3).hex()}"
+            if "/" in name:
+                raise ApiError(grpc.StatusCode.INVALID_ARGUMENT, "a channel name cannot contain '/'")
+            if any(ch.name == name for ch in q.channels):
+                raise ApiError(grpc.StatusCode.ALREADY_EXISTS, f"channel '{name}' already exists on '{q.name}'")
+            kind, accepts = make_filter(request.kind, request.topic)
+            ch = q.add_channel(name, accepts)
+            ch.grpc_filter = (kind, request.topic)  # type: ignore[attr-defined]
+            return self._channel_info(ch)
+        raise AssertionError("unreachable")
+
+    async def DeleteChannel(self, request: pb.DeleteChannelRequest, context: Any) -> pb.DeleteChannelResponse:
+        async with _errors(context):
+            _, vh = self._login(context)
+            ch = self._channel(vh, request.id)
+            if ch is ch.queue.default:
+                raise ApiError(grpc.StatusCode.FAILED_PRECONDITION,
+                               "the default channel goes with its queue (DeleteQueue)")
+            n = ch.queue.remove_channel(ch)
+            return pb.DeleteChannelResponse(messages_dropped=n)
+        raise AssertionError("unreachable")
+
+    async def ListChannels(self, request: pb.ListChannelsRequest, context: Any) -> pb.ListChannelsResponse:
+        async with _errors(context):
+            _, vh = self._login(context)
+            queues = [self._queue(vh, request.queue)] if request.queue else list(vh.queues.values())
+            return pb.ListChannelsResponse(
+                channels=[self._channel_info(ch) for q in queues for ch in q.channels]
+            )
+        raise AssertionError("unreachable")
+
+    # -- push --------------------------------------------------------------------
+    def _push(self, user: User, q: Queue, req: pb.PushRequest) -> tuple[Message, int, bool]:
+        """Enqueue one pushed message: (message, offset, waits for the store)."""
+        persistent = req.persistent if req.HasField("persistent") else q.durable
+        if len(req.properties):
+            props = encode_properties(dict(req.properties), persistent)
+            summary = properties.scan(props)
+            if summary.user_id is not None and summary.user_id != user.name:
+                raise PreconditionFailed(
+                    f"user_id property set to '{summary.user_id}' but authenticated user was '{user.name}'"
+                )
+        else:
+            props, summary = _PERSISTENT if persistent else _TRANSIENT
+        message = Message("", req.topic, props, req.content, summary, self.broker.node_id)
+        offset = q.next_offset
+        if not q.enqueue(message):
+            raise ApiError(grpc.StatusCode.RESOURCE_EXHAUSTED, f"queue '{q.name}' is full (x-overflow)")
+        return message, offset, q.storage is not None and summary.delivery_mode == 2
+
+    async def _committed(self) -> None:
+        committer = self.broker.committer
+        assert committer is not None
+        done: asyncio.Future[BaseException | None] = asyncio.get_running_loop().create_future()
+
+        def committed(error: BaseException | None) -> None:
+            if not done.done():
+                done.set_result(error)
+
+        committer.when_committed(committed)
+        error = await done
+        if error is not None:
+            raise ApiError(grpc.StatusCode.UNAVAILABLE, f"the store did not commit the message: {error}")
+
+    async def Push(self, request: pb.PushRequest, context: Any) -> pb.PushResponse:
+        async with _errors(context):
+            user, vh = self._login(context)
+            q = self._queue(vh, request.queue)
+            message, offset, stored = self._push(user, q, request)
+            if stored:
+                await self._committed()
+            return pb.PushResponse(id=message.id, offset=offset)
+        raise AssertionError("unreachable")
+
+    async def PushBatch(self, request: pb.PushBatchRequest, context: Any) -> pb.PushBatchResponse:
+        async with _errors(context):
+            user, vh = self._login(context)
+            q = self._queue(vh, request.queue)
+            response = pb.PushBatchResponse()
+            add = response.results.add
+            any_stored = False
+            push = self._push
+            for i, req in enumerate(request.messages):
+                try:
+                    message, offset, stored = push(user, q, req)
+                except ApiError as exc:
+                    exc.details += f" (message {i} of the batch; the {i} before it were pushed)"
+                    raise
+                add(id=message.id, offset=offset)
+                any_stored = any_stored or stored
+            if any_stored:
+                await self._committed()
+            return response
+        raise AssertionError("unreachable")
+
+    # -- subscribe ---------------------------------------------------------------
+    async def Subscribe(self, request: pb.SubscribeRequest, context: Any) -> AsyncIterator[pb.SubscribeResponse]:
+        sub: Subscription | None = None
+        try:
+            async with _errors(context):
+                _, vh = self._login(context)
+                qch = self._channel(vh, request.channel_id)
+                sub = Subscription(
+                    self, qch, request.prefetch or DEFAULT_PREFETCH, request.auto_ack,
+                    request.max_batch or DEFAULT_BATCH,
+                )
+                qch.add_consumer(sub.consumer, dispatch=False)
+            assert sub is not None
+            # Headers first: the client knows the subscription is in place before any message.
+            await context.send_initial_metadata(())
+            sub.qch.dispatch()
+            while True:
+                if not sub.pending:
+                    if sub.cancelled:
+                        break
+                    sub.wakeup.clear()
+                    await sub.wakeup.wait()
+                    continue
+                yield sub.take_batch()
+                if sub.auto_ack and not sub.cancelled:
+                    sub.qch.dispatch()  # buffer space freed
+            await context.abort(grpc.StatusCode.NOT_FOUND, f"queue '{sub.qch.queue.name}' or its channel was deleted")
+        finally:
+            if sub is not None:
+                sub.close()
+
+    def _settle(self, ids: Any, requeue: bool | None) -> pb.AckResponse:
+        """requeue None: ack; True/False: nack."""
+        unknown = []
+        groups: dict[int, tuple[Subscription, list[int]]] = {}
+        for did in ids:
+            sub = self.deliveries.pop(did, None)
+            if sub is None or did not in sub.unacked:
+                unknown.append(did)
+                continue
+            groups.setdefault(id(sub), (sub, []))[1].append(did)
+        settled = 0
+        for sub, dids in groups.values():
+            settled += len(dids)
+            if requeue is None:
+                for did in dids:
+                    sub.settle(did)
+                sub.qch.dispatch()
+            else:
+                items = [(sub.unacked.pop(did), sub.consumer) for did in dids]
+                if requeue:
+                    sub.qch.requeue(items)
+                else:
+                    sub.qch.discard(items)
+        return pb.AckResponse(settled=settled, unknown=unknown)
+
+    async def Ack(self, request: pb.AckRequest, context: Any) -> pb.AckResponse:
+        async with _errors(context):
+            self._login(context)
+            return self._settle(request.delivery_ids, None)
+        raise AssertionError("unreachable")
+
+    async def Nack(self, request: pb.NackRequest, context: Any) -> pb.AckResponse:
+        async with _errors(context):
+            self._login(context)
+            return self._settle(request.delivery_ids, request.requeue)
+        raise AssertionError("unreachable")
+
+    # -- cluster -----------------------------------------------------------------
+    async def WatchCluster(self, request: pb.WatchClusterRequest, context: Any) -> AsyncIterator[pb.ClusterEvent]:
+        async with _errors(context):
+            self._login(context)
+        events: asyncio.Queue[pb.ClusterEvent] = asyncio.Queue()
+        self.watchers.append(events)
+        try:
+            yield pb.ClusterEvent(kind=pb.ClusterEvent.NODE_UP, node=self.broker.node_id,
+                                  timestamp_ms=int(time.time() * 1000))
+            while True:
+                ev = await events.get()
+                if ev.kind == pb.ClusterEvent.KIND_UNSPECIFIED:
+                    return
+                yield ev
+        finally:
+            self.watchers.remove(events)
+
+
+def _peer_host(peer: str) -> str | None:
+    """gRPC's peer string ("ipv4:127.0.0.1:5000", "ipv6:[::1]:5000", "unix:...") as a host."""
+    kind, _, rest = peer.partition(":")
+    if kind == "ipv4":
+        return rest.rpartition(":")[0]
+    if kind == "ipv6":
+        return rest.rpartition(":")[0].strip("[]")
+    if kind in ("unix", "unix-abstract"):
+        return "127.0.0.1"
+    return rest or None
+
+
+class _errors:
+    """``async with _errors(context)``: ApiError and BrokerError become gRPC aborts."""
+
+    def __init__(self, context: Any) -> None:
+        self.context = context
+
+    async def __aenter__(self) -> None:
+        return None
+
+    async def __aexit__(self, exc_type: Any, exc: BaseException | None, tb: Any) -> bool:
+        if isinstance(exc, ApiError):
+            await self.context.abort(exc.code, exc.details)
+        if isinstance(exc, BrokerError):
+            await self.context.abort(status_of(exc), exc.reply_text)
+        return False

@@ -1,0 +1,683 @@
+"""The native Python client of Leveret's gRPC API (``leveret.v1.Broker``).
+
+Synchronous::
+
+    with Client("127.0.0.1:50051", username="guest", password="guest") as c:
+        c.create_queue("news", exist_ok=True)
+        ch = c.create_channel("news", topic="sport.#")
+        c.push("news", b"goal", topic="sport.football")
+        sub = c.subscribe(ch, prefetch=100)
+        m = sub.get(timeout=5)
+        sub.ack(m)
+
+``Subscriber.fileno()`` is readable while a message is pending, for
+``select``/``poll`` loops. ``AsyncClient`` has the same methods as coroutines
+and ``async for`` over a subscription. See docs/GRPC.md.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+import threading
+import time
+from collections import OrderedDict, deque
+from collections.abc import AsyncIterator, Iterable, Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import grpc
+import grpc.aio
+
+from core.grpc_api import leveret_pb2 as pb
+from core.grpc_api import leveret_pb2_grpc as pb_grpc
+
+__all__ = [
+    "AsyncClient",
+    "AsyncSubscriber",
+    "Client",
+    "ClusterEvent",
+    "Deduplicator",
+    "LeveretError",
+    "Message",
+    "StatusSubscriber",
+    "Subscriber",
+]
+
+_KINDS = {
+    None: pb.FILTER_AUTO,
+    "auto": pb.FILTER_AUTO,
+    "exact": pb.FILTER_EXACT,
+    "prefix": pb.FILTER_PREFIX,
+    "pattern": pb.FILTER_PATTERN,
+    "none": pb.FILTER_NONE,
+}
+
+_OPTIONS = [
+    ("grpc.max_receive_message_length", 256 * 1024 * 1024),
+    ("grpc.max_send_message_length", 256 * 1024 * 1024),
+]
+
+
+class LeveretError(Exception):
+    """A call the broker refused: ``code`` is the grpc.StatusCode, ``details`` the broker's text."""
+
+    def __init__(self, code: grpc.StatusCode, details: str) -> None:
+        super().__init__(f"{code.name}: {details}")
+        self.code = code
+        self.details = details
+
+
+def _wrap(exc: grpc.RpcError) -> LeveretError:
+    code = exc.code() if hasattr(exc, "code") else grpc.StatusCode.UNKNOWN
+    details = exc.details() if hasattr(exc, "details") else str(exc)
+    return LeveretError(code, details or "")
+
+
+class Message:
+    """A received message (``delivery_id`` is what Ack/Nack name)."""
+
+    __slots__ = ("id", "topic", "content", "properties", "offset", "redelivered", "timestamp", "delivery_id",
+                 "delivery_count", "channel_id")
+
+    def __init__(
+        self, id: str, topic: str, content: bytes, properties: dict[str, str], offset: int, redelivered: bool,
+        timestamp: float, delivery_id: int, delivery_count: int = 1, channel_id: str = "",
+    ) -> None:
+        self.id = id
+        self.topic = topic
+        self.content = content
+        self.properties = properties
+        self.offset = offset
+        self.redelivered = redelivered
+        self.timestamp = timestamp
+        self.delivery_id = delivery_id
+        self.delivery_count = delivery_count
+        self.channel_id = channel_id
+
+    def __repr__(self) -> str:
+        return (f"Message(id={self.id!r}, topic={self.topic!r}, content={self.content[:64]!r}, "
+                f"offset={self.offset}, redelivered={self.redelivered}, delivery_id={self.delivery_id})")
+
+    @classmethod
+    def _from(cls, d: pb.Delivery, channel_id: str) -> Message:
+        props = d.properties
+        return cls(
+            d.id, d.topic, d.content, dict(props) if len(props) else {}, d.offset, d.redelivered,
+            d.timestamp_ms / 1000.0, d.delivery_id, d.delivery_count, channel_id,
+        )
+
+
+@dataclass
+class ClusterEvent:
+    kind: str  # NODE_UP, QUEUE_CREATED, QUEUE_DELETED
+    node: str
+    vhost: str = ""
+    queue: str = ""
+    timestamp: float = 0.0
+
+    @classmethod
+    def _from(cls, ev: pb.ClusterEvent) -> ClusterEvent:
+        return cls(pb.ClusterEvent.Kind.Name(ev.kind), ev.node, ev.vhost, ev.queue, ev.timestamp_ms / 1000.0)
+
+
+@dataclass
+class Deduplicator:
+    """Remembers the last ``capacity`` message ids to drop duplicates after a failover.
+
+    ``seen(message_or_id)`` is True for an id already seen (drop it), else records it.
+    """
+
+    capacity: int = 100_000
+    _ids: OrderedDict[str, None] = field(default_factory=OrderedDict)
+
+    def seen(self, message: Message | str) -> bool:
+        key = message if isinstance(message, str) else message.id
+        ids = self._ids
+        if key in ids:
+            ids.move_to_end(key)
+            return True
+        ids[key] = None
+        if len(ids) > self.capacity:
+            ids.popitem(last=False)
+        return False
+
+    def __contains__(self, message: object) -> bool:
+        key = message.id if isinstance(message, Message) else message
+        return key in self._ids
+
+    def __len__(self) -> int:
+        return len(self._ids)
+
+
+def _metadata(username: str | None, password: str | None, vhost: str) -> tuple[tuple[str, str], ...]:
+    md: list[tuple[str, str]] = []
+    if username is not None:
+        md.append(("username", username))
+    if password is not None:
+        md.append(("password", password))
+    if vhost != "/":
+        md.append(("vhost", vhost))
+    return tuple(md)
+
+
+def _push_request(
+    queue: str, content: bytes, topic: str | None, properties: dict[str, Any] | None, persistent: bool | None
+) -> pb.PushRequest:
+    req = pb.PushRequest(
+        queue=queue, topic=topic or "", content=content,
+        properties={k: str(v) for k, v in (properties or {}).items()},
+    )
+    if persistent is not None:
+        req.persistent = persistent
+    return req
+
+
+def _batch_request(
+    queue: str, contents: Iterable[bytes], topic: str | None, properties: dict[str, Any] | None,
+    persistent: bool | None,
+) -> pb.PushBatchRequest:
+    """Built in place with messages.add(): far cheaper than a list of PushRequest."""
+    req = pb.PushBatchRequest(queue=queue)
+    add = req.messages.add
+    props = {k: str(v) for k, v in (properties or {}).items()}
+    kwargs: dict[str, Any] = {}
+    if topic:
+        kwargs["topic"] = topic
+    if persistent is not None:
+        kwargs["persistent"] = persistent
+    if props:
+        kwargs["properties"] = props
+    for content in contents:
+        add(content=content, **kwargs)
+    return req
+
+
+def _kind(kind: str | None) -> int:
+    try:
+        return _KINDS[kind]
+    except KeyError:
+        raise ValueError(f"kind must be one of auto, exact, prefix, pattern, none; got {kind!r}") from None
+
+
+# ---------------------------------------------------------------------- sync
+class _Pending:
+    """Received items, a condition for get(), and a socketpair readable while any are pending."""
+
+    def __init__(self) -> None:
+        self.items: deque[Any] = deque()
+        self.cond = threading.Condition()
+        self.error: LeveretError | None = None
+        self.ended = False
+        self._r, self._w = socket.socketpair()
+        self._r.setblocking(False)
+        self._w.setblocking(False)
+        self._signalled = False
+
+    def put_many(self, items: Iterable[Any]) -> None:
+        with self.cond:
+            self.items.extend(items)
+            self._signal()
+            self.cond.notify_all()
+
+    def finish(self, error: LeveretError | None) -> None:
+        with self.cond:
+            self.ended = True
+            self.error = error
+            self._signal()
+            self.cond.notify_all()
+
+    def _signal(self) -> None:
+        if not self._signalled:
+            self._signalled = True
+            try:
+                self._w.send(b"x")
+            except OSError:
+                pass
+
+    def _unsignal(self) -> None:
+        # Called with the lock held once nothing is pending.
+        if self._signalled and not self.items and not self.ended:
+            self._signalled = False
+            try:
+                self._r.recv(64)
+            except OSError:
+                pass
+
+    def get(self, timeout: float | None) -> Any:
+        deadline = None if timeout is None else time.monotonic() + timeout
+        with self.cond:
+            while not self.items:
+                if self.ended:
+                    if self.error is not None:
+                        raise self.error
+                    return None
+                remaining = None if deadline is None else deadline - time.monotonic()
+                if remaining is not None and remaining <= 0:
+                    return None
+                self.cond.wait(remaining)
+            item = self.items.popleft()
+            self._unsignal()
+            return item
+
+    def poll(self) -> list[Any]:
+        with self.cond:
+            out = list(self.items)
+            self.items.clear()
+            self._unsignal()
+            if not out and self.ended and self.error is not None:
+                raise self.error
+            return out
+
+    def fileno(self) -> int:
+        return self._r.fileno()
+
+    def close(self) -> None:
+        self._r.close()
+        self._w.close()
+
+
+class _StreamReader:
+    """A thread draining a server stream into a _Pending."""
+
+    def __init__(self, call: Any, convert: Any) -> None:
+        self.call = call
+        self.pending = _Pending()
+        self._convert = convert
+        self._thread = threading.Thread(target=self._run, name="leveret-stream", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        error: LeveretError | None = None
+        try:
+            for response in self.call:
+                self.pending.put_many(self._convert(response))
+        except grpc.RpcError as exc:
+            if exc.code() != grpc.StatusCode.CANCELLED:  # type: ignore[attr-defined]
+                error = _wrap(exc)
+        self.pending.finish(error)
+
+    def close(self) -> None:
+        self.call.cancel()
+        self._thread.join(timeout=5)
+        self.pending.close()
+
+
+class Subscriber:
+    """A subscription to one channel (sync). Not thread safe except that a thread receives for it."""
+
+    def __init__(self, client: Client, channel_id: str, call: Any) -> None:
+        self.client = client
+        self.channel_id = channel_id
+        self._reader = _StreamReader(call, lambda r: [Message._from(d, channel_id) for d in r.messages])
+
+    def get(self, timeout: float | None = None) -> Message | None:
+        """The next message; None after ``timeout`` seconds (or when the stream ended cleanly)."""
+        return self._reader.pending.get(timeout)  # type: ignore[no-any-return]
+
+    def poll(self) -> list[Message]:
+        """Every message received so far, without waiting."""
+        return self._reader.pending.poll()
+
+    def available(self) -> int:
+        return len(self._reader.pending.items)
+
+    def fileno(self) -> int:
+        """Readable while a message is pending (or the stream ended)."""
+        return self._reader.pending.fileno()
+
+    def ack(self, message: Message | Iterable[Message]) -> int:
+        return self.client.ack(message)
+
+    def nack(self, message: Message | Iterable[Message], requeue: bool = True) -> int:
+        return self.client.nack(message, requeue=requeue)
+
+    def close(self) -> None:
+        """End the subscription: the broker requeues what was not acked (redelivered=True)."""
+        self._reader.close()
+
+    def __iter__(self) -> Iterator[Message]:
+        while True:
+            m = self.get()
+            if m is None:
+                return
+            yield m
+
+    def __enter__(self) -> Subscriber:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+class StatusSubscriber:
+    """Cluster status events (WatchCluster), sync."""
+
+    def __init__(self, call: Any) -> None:
+        self._reader = _StreamReader(call, lambda ev: [ClusterEvent._from(ev)])
+
+    def get(self, timeout: float | None = None) -> ClusterEvent | None:
+        return self._reader.pending.get(timeout)  # type: ignore[no-any-return]
+
+    def poll(self) -> list[ClusterEvent]:
+        return self._reader.pending.poll()
+
+    def fileno(self) -> int:
+        return self._reader.pending.fileno()
+
+    def close(self) -> None:
+        self._reader.close()
+
+
+def _ids(message: Message | Iterable[Message]) -> list[int]:
+    if isinstance(message, Message):
+        return [message.delivery_id]
+    return [m.delivery_id for m in message]
+
+
+class Client:
+    def __init__(
+        self,
+        target: str = "127.0.0.1:50051",
+        username: str | None = "guest",
+        password: str | None = "guest",
+        vhost: str = "/",
+        timeout: float | None = 30.0,
+    ) -> None:
+        self._channel = grpc.insecure_channel(target, options=_OPTIONS)
+        self._stub = pb_grpc.BrokerStub(self._channel)
+        self._md = _metadata(username, password, vhost)
+        self.timeout = timeout
+        self._subscribers: list[Subscriber | StatusSubscriber] = []
+
+    def _call(self, method: Any, request: Any) -> Any:
+        try:
+            return method(request, metadata=self._md, timeout=self.timeout)
+        except grpc.RpcError as exc:
+            raise _wrap(exc) from None
+
+    # queues
+    def create_queue(
+        self, name: str, durable: bool = False, exist_ok: bool = False, auto_delete: bool = False,
+        max_length: int = 0, message_ttl_ms: int = 0,
+    ) -> pb.QueueInfo:
+        return self._call(self._stub.CreateQueue, pb.CreateQueueRequest(
+            name=name, durable=durable, exist_ok=exist_ok, auto_delete=auto_delete, max_length=max_length,
+            message_ttl_ms=message_ttl_ms))
+
+    def delete_queue(self, name: str, if_unused: bool = False, if_empty: bool = False) -> int:
+        r = self._call(self._stub.DeleteQueue, pb.DeleteQueueRequest(name=name, if_unused=if_unused, if_empty=if_empty))
+        return int(r.messages_dropped)
+
+    def list_queues(self) -> list[pb.QueueInfo]:
+        return list(self._call(self._stub.ListQueues, pb.ListQueuesRequest()).queues)
+
+    # channels
+    def create_channel(self, queue: str, topic: str | None = None, kind: str | None = None, name: str = "") -> str:
+        """A channel on ``queue``; ``topic`` filters by exact topic, prefix (kind="prefix") or pattern (* #)."""
+        r = self._call(self._stub.CreateChannel,
+                       pb.CreateChannelRequest(queue=queue, topic=topic or "", kind=_kind(kind), name=name))  # type: ignore[arg-type]
+        return str(r.id)
+
+    def delete_channel(self, channel_id: str) -> int:
+        return int(self._call(self._stub.DeleteChannel, pb.DeleteChannelRequest(id=channel_id)).messages_dropped)
+
+    def list_channels(self, queue: str = "") -> list[pb.ChannelInfo]:
+        return list(self._call(self._stub.ListChannels, pb.ListChannelsRequest(queue=queue)).channels)
+
+    # messages
+    def push(
+        self, queue: str, content: bytes, topic: str | None = None, properties: dict[str, Any] | None = None,
+        persistent: bool | None = None,
+    ) -> str:
+        """Push one message; returns its id once the broker holds it (committed, if persistent)."""
+        return str(self._call(self._stub.Push, _push_request(queue, content, topic, properties, persistent)).id)
+
+    def push_many(
+        self, queue: str, contents: Iterable[bytes], topic: str | None = None,
+        properties: dict[str, Any] | None = None, persistent: bool | None = None,
+    ) -> list[str]:
+        r = self._call(self._stub.PushBatch, _batch_request(queue, contents, topic, properties, persistent))
+        return [x.id for x in r.results]
+
+    def subscribe(self, channel_id: str, prefetch: int = 0, auto_ack: bool = False, max_batch: int = 0) -> Subscriber:
+        """Subscribe to a channel (a queue's default channel is "<queue>/")."""
+        call = self._stub.Subscribe(
+            pb.SubscribeRequest(channel_id=channel_id, prefetch=prefetch, auto_ack=auto_ack, max_batch=max_batch),
+            metadata=self._md,
+        )
+        try:
+            call.initial_metadata()  # the subscription is in place (or refused) when this returns
+        except grpc.RpcError as exc:
+            raise _wrap(exc) from None
+        if call.done() and call.code() != grpc.StatusCode.OK:
+            raise LeveretError(call.code(), call.details() or "")
+        sub = Subscriber(self, channel_id, call)
+        self._subscribers.append(sub)
+        return sub
+
+    def ack(self, message: Message | Iterable[Message]) -> int:
+        return int(self._call(self._stub.Ack, pb.AckRequest(delivery_ids=_ids(message))).settled)
+
+    def nack(self, message: Message | Iterable[Message], requeue: bool = True) -> int:
+        return int(self._call(self._stub.Nack, pb.NackRequest(delivery_ids=_ids(message), requeue=requeue)).settled)
+
+    def status_subscriber(self) -> StatusSubscriber:
+        call = self._stub.WatchCluster(pb.WatchClusterRequest(), metadata=self._md)
+        sub = StatusSubscriber(call)
+        self._subscribers.append(sub)
+        return sub
+
+    def close(self) -> None:
+        for s in self._subscribers:
+            s.close()
+        self._subscribers.clear()
+        self._channel.close()
+
+    def __enter__(self) -> Client:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+# --------------------------------------------------------------------- async
+class AsyncSubscriber:
+    """A subscription to one channel (asyncio): ``get``, ``poll``, ``available``, ``async for``."""
+
+    def __init__(self, client: AsyncClient, channel_id: str, call: Any) -> None:
+        self.client = client
+        self.channel_id = channel_id
+        self._call = call
+        self._items: deque[Message] = deque()
+        self._event = asyncio.Event()
+        self._error: LeveretError | None = None
+        self._ended = False
+        self._task = asyncio.get_running_loop().create_task(self._run())
+
+    async def _run(self) -> None:
+        try:
+            async for response in self._call:
+                self._items.extend(Message._from(d, self.channel_id) for d in response.messages)
+                self._event.set()
+        except grpc.RpcError as exc:
+            if exc.code() != grpc.StatusCode.CANCELLED:  # type: ignore[attr-defined]
+                self._error = _wrap(exc)
+        except asyncio.CancelledError:
+            pass
+        self._ended = True
+        self._event.set()
+
+    async def get(self, timeout: float | None = None) -> Message | None:
+        loop = asyncio.get_running_loop()
+        deadline = None if timeout is None else loop.time() + timeout
+        while not self._items:
+            if self._ended:
+                if self._error is not None:
+                    raise self._error
+                return None
+            self._event.clear()
+            remaining = None if deadline is None else deadline - loop.time()
+            if remaining is not None and remaining <= 0:
+                return None
+            try:
+                await asyncio.wait_for(self._event.wait(), remaining)
+            except TimeoutError:
+                return None
+        return self._items.popleft()
+
+    def poll(self) -> list[Message]:
+        out = list(self._items)
+        self._items.clear()
+        return out
+
+    def available(self) -> int:
+        return len(self._items)
+
+    async def ack(self, message: Message | Iterable[Message]) -> int:
+        return await self.client.ack(message)
+
+    async def nack(self, message: Message | Iterable[Message], requeue: bool = True) -> int:
+        return await self.client.nack(message, requeue=requeue)
+
+    def __aiter__(self) -> AsyncIterator[Message]:
+        return self._iterate()
+
+    async def _iterate(self) -> AsyncIterator[Message]:
+        while True:
+            m = await self.get()
+            if m is None:
+                return
+            yield m
+
+    async def close(self) -> None:
+        self._call.cancel()
+        self._task.cancel()
+        try:
+            await self._task
+        except asyncio.CancelledError:
+            pass
+
+
+class AsyncStatusSubscriber:
+    def __init__(self, call: Any) -> None:
+        self._call = call
+
+    async def get(self, timeout: float | None = None) -> ClusterEvent | None:
+        try:
+            ev = await asyncio.wait_for(self._call.read(), timeout)
+        except TimeoutError:
+            return None
+        except grpc.RpcError as exc:
+            raise _wrap(exc) from None
+        if ev is grpc.aio.EOF:
+            return None
+        return ClusterEvent._from(ev)
+
+    def close(self) -> None:
+        self._call.cancel()
+
+
+class AsyncClient:
+    def __init__(
+        self,
+        target: str = "127.0.0.1:50051",
+        username: str | None = "guest",
+        password: str | None = "guest",
+        vhost: str = "/",
+        timeout: float | None = 30.0,
+    ) -> None:
+        self._channel = grpc.aio.insecure_channel(target, options=_OPTIONS)
+        self._stub = pb_grpc.BrokerStub(self._channel)
+        self._md = _metadata(username, password, vhost)
+        self.timeout = timeout
+        self._subscribers: list[AsyncSubscriber] = []
+
+    async def _call(self, method: Any, request: Any) -> Any:
+        try:
+            return await method(request, metadata=self._md, timeout=self.timeout)
+        except grpc.RpcError as exc:
+            raise _wrap(exc) from None
+
+    async def create_queue(
+        self, name: str, durable: bool = False, exist_ok: bool = False, auto_delete: bool = False,
+        max_length: int = 0, message_ttl_ms: int = 0,
+    ) -> pb.QueueInfo:
+        return await self._call(self._stub.CreateQueue, pb.CreateQueueRequest(
+            name=name, durable=durable, exist_ok=exist_ok, auto_delete=auto_delete, max_length=max_length,
+            message_ttl_ms=message_ttl_ms))
+
+    async def delete_queue(self, name: str, if_unused: bool = False, if_empty: bool = False) -> int:
+        r = await self._call(self._stub.DeleteQueue,
+                             pb.DeleteQueueRequest(name=name, if_unused=if_unused, if_empty=if_empty))
+        return int(r.messages_dropped)
+
+    async def list_queues(self) -> list[pb.QueueInfo]:
+        return list((await self._call(self._stub.ListQueues, pb.ListQueuesRequest())).queues)
+
+    async def create_channel(self, queue: str, topic: str | None = None, kind: str | None = None,
+                             name: str = "") -> str:
+        r = await self._call(self._stub.CreateChannel,
+                             pb.CreateChannelRequest(queue=queue, topic=topic or "", kind=_kind(kind), name=name))  # type: ignore[arg-type]
+        return str(r.id)
+
+    async def delete_channel(self, channel_id: str) -> int:
+        r = await self._call(self._stub.DeleteChannel, pb.DeleteChannelRequest(id=channel_id))
+        return int(r.messages_dropped)
+
+    async def list_channels(self, queue: str = "") -> list[pb.ChannelInfo]:
+        return list((await self._call(self._stub.ListChannels, pb.ListChannelsRequest(queue=queue))).channels)
+
+    async def push(
+        self, queue: str, content: bytes, topic: str | None = None, properties: dict[str, Any] | None = None,
+        persistent: bool | None = None,
+    ) -> str:
+        r = await self._call(self._stub.Push, _push_request(queue, content, topic, properties, persistent))
+        return str(r.id)
+
+    async def push_many(
+        self, queue: str, contents: Iterable[bytes], topic: str | None = None,
+        properties: dict[str, Any] | None = None, persistent: bool | None = None,
+    ) -> list[str]:
+        r = await self._call(self._stub.PushBatch, _batch_request(queue, contents, topic, properties, persistent))
+        return [x.id for x in r.results]
+
+    async def subscribe(self, channel_id: str, prefetch: int = 0, auto_ack: bool = False,
+                        max_batch: int = 0) -> AsyncSubscriber:
+        call = self._stub.Subscribe(
+            pb.SubscribeRequest(channel_id=channel_id, prefetch=prefetch, auto_ack=auto_ack, max_batch=max_batch),
+            metadata=self._md,
+        )
+        try:
+            await call.initial_metadata()
+        except grpc.RpcError as exc:
+            raise _wrap(exc) from None
+        if call.done():
+            code = await call.code()
+            if code != grpc.StatusCode.OK:
+                raise LeveretError(code, await call.details() or "")
+        sub = AsyncSubscriber(self, channel_id, call)
+        self._subscribers.append(sub)
+        return sub
+
+    async def ack(self, message: Message | Iterable[Message]) -> int:
+        return int((await self._call(self._stub.Ack, pb.AckRequest(delivery_ids=_ids(message)))).settled)
+
+    async def nack(self, message: Message | Iterable[Message], requeue: bool = True) -> int:
+        r = await self._call(self._stub.Nack, pb.NackRequest(delivery_ids=_ids(message), requeue=requeue))
+        return int(r.settled)
+
+    async def status_subscriber(self) -> AsyncStatusSubscriber:
+        return AsyncStatusSubscriber(self._stub.WatchCluster(pb.WatchClusterRequest(), metadata=self._md))
+
+    async def close(self) -> None:
+        for s in self._subscribers:
+            await s.close()
+        self._subscribers.clear()
+        await self._channel.close()
+
+    async def __aenter__(self) -> AsyncClient:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()

@@ -1,0 +1,52 @@
+"""The native gRPC listener (``leveret.v1.Broker``, core/grpc_api) on the node's event loop."""
+
+from __future__ import annotations
+
+import logging
+
+import grpc
+
+from core.broker import Broker
+from core.grpc_api import leveret_pb2_grpc as pb_grpc
+from core.grpc_api.servicer import BrokerServicer
+
+log = logging.getLogger("leveret.grpc")
+
+# Deliveries are batched per response; allow large messages both ways.
+MAX_MESSAGE = 256 * 1024 * 1024
+
+
+class GRPCServer:
+    def __init__(self, broker: Broker, max_message_size: int = 128 * 1024 * 1024) -> None:
+        self.broker = broker
+        self.servicer = BrokerServicer(broker)
+        self.max_message = min(MAX_MESSAGE, max_message_size + 1024 * 1024)
+        self.server: grpc.aio.Server | None = None
+        self.port = 0
+
+    async def start(self, host: str, port: int) -> None:
+        server = grpc.aio.server(
+            options=[
+                ("grpc.max_receive_message_length", self.max_message),
+                ("grpc.max_send_message_length", self.max_message),
+                ("grpc.so_reuseport", 0),
+            ]
+        )
+        pb_grpc.add_BrokerServicer_to_server(self.servicer, server)
+        address = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+        try:
+            bound = server.add_insecure_port(address)
+        except RuntimeError as exc:
+            raise OSError(f"cannot bind the gRPC listener on {address}: {exc}") from None
+        if bound == 0:
+            raise OSError(f"cannot bind the gRPC listener on {address}")
+        await server.start()
+        self.server = server
+        self.port = bound
+
+    async def stop(self, grace: float = 1.0) -> None:
+        if self.server is None:
+            return
+        self.servicer.close()
+        await self.server.stop(grace)
+        self.server = None
