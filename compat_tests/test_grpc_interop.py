@@ -6,6 +6,7 @@ import select
 import signal
 import socket
 import subprocess
+import sys
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -252,3 +253,30 @@ def test_durable_push_survives_restart(tmp_path: Path) -> None:
             sub.close()
     finally:
         _stop(n)
+
+
+def test_grpc_subscriber_example(node: GrpcNode, client: Client, amqp: AmqpChannel) -> None:
+    """examples/grpc_subscriber.py receives AMQP publishes and pushes whose topic matches its pattern."""
+    q = _name("example")
+    root = Path(__file__).resolve().parent.parent
+    proc = subprocess.Popen(
+        [sys.executable, str(root / "examples" / "grpc_subscriber.py"), "--target", node.target, "--queue", q,
+         "--topic", "news.sport.#", "--count", "2", "--idle-timeout", "20"],
+        cwd=root, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    )
+    try:
+        assert proc.stdout is not None
+        assert "subscribed" in proc.stdout.readline()
+        # One over AMQP through a topic exchange (the routing key is the topic), two pushed natively.
+        exchange = _name("example-x")
+        amqp.exchange_declare(exchange, "topic", auto_delete=True)
+        amqp.queue_bind(q, exchange, "news.#")
+        amqp.basic_publish(exchange, "news.weather", b"skip")
+        amqp.basic_publish(exchange, "news.sport.uk", b"goal")
+        client.push(q, b"match", topic="news.sport")
+        out, err = proc.communicate(timeout=30)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 0, err
+    assert out.splitlines() == ["news.sport.uk goal", "news.sport match"]
