@@ -11,7 +11,7 @@ run: bootstrap
 	@$(PY) -m leveret serve
 
 test: bootstrap
-	@$(PY) -m ruff check core amqp_frontend leveret bench compat_tests tests examples
+	@$(PY) -m ruff check core amqp_frontend leveret bench compat_tests tests examples persistence spark
 	@$(PY) -m mypy
 	@$(PY) -m pytest
 

@@ -36,12 +36,19 @@ def build_parser() -> argparse.ArgumentParser:
             metavar=f.name.upper(),
             help=f"{HELP[f.name]} (default {default!r}; env LEVERET_{f.name.upper()})",
         )
+    from leveret import retention
+
+    retention.add_parser(sub)
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
+    if args.command == "retention":
+        from leveret import retention
+
+        return retention.main(args, parser)
     if args.command != "serve":
         parser.print_help()
         return 2

@@ -5,7 +5,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 
 VENV=.venv
-STAMP=$VENV/.installed-$(sha1sum pyproject.toml | cut -c1-12)
+STAMP=$VENV/.installed-$(cat pyproject.toml scripts/bootstrap.sh | sha1sum | cut -c1-12)
 [ -f "$STAMP" ] && exit 0
 
 PYTHON=${PYTHON:-python3}
@@ -17,6 +17,10 @@ missing=""
 "$PYTHON" -c 'import ensurepip, venv' >/dev/null 2>&1 || missing="$missing python3-venv"
 # PostgreSQL server binaries: the tests start throwaway servers (the broker's --store postgres).
 [ -x /usr/lib/postgresql/15/bin/initdb ] || missing="$missing postgresql"
+# Java and the JDBC drivers of the Spark retention jobs (spark/, offline: never spark.jars.packages).
+[ -x /usr/bin/java ] || missing="$missing openjdk-17-jre-headless"
+[ -f /usr/share/java/postgresql.jar ] || missing="$missing libpostgresql-jdbc-java"
+[ -f /usr/share/java/sqlite-jdbc.jar ] || missing="$missing libxerial-sqlite-jdbc-java"
 if [ -n "$missing" ]; then
     if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
         echo "bootstrap: installing Debian packages:$missing"

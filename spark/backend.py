@@ -1,0 +1,224 @@
+"""Driver-side access to the message store for the retention jobs (sqlite3 or psycopg, synchronous).
+
+The executors read the ``messages`` table over JDBC; everything else (queue
+arguments, epochs, named policies, the fenced deletes) goes through this
+module on the driver.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import sqlite3
+import time
+from collections.abc import Iterable, Sequence
+from pathlib import Path
+from typing import Any
+
+from spark.policies import NamedPolicy, decode_arguments
+
+POSTGRES_JAR = "/usr/share/java/postgresql.jar"
+SQLITE_JAR = "/usr/share/java/sqlite-jdbc.jar"  # Debian's libxerial-sqlite-jdbc-java
+MARKED = "retained-removed"  # messages.state of rows a --mark-only run chose (load_messages skips them)
+SQLITE_FILE = "leveret.sqlite3"  # inside --data-dir, as leveret/node.py opens it
+
+# One batch: several offset ranges of one queue, fenced on the epoch read at the job's start.
+_PG_DELETE = (
+    "DELETE FROM messages m USING unnest(%s::bigint[], %s::bigint[]) AS r(lo, hi)"
+    ' WHERE m.vhost = %s AND m.queue = %s AND m."offset" BETWEEN r.lo AND r.hi'
+    " AND EXISTS (SELECT 1 FROM queue_epochs e WHERE e.vhost = %s AND e.queue = %s AND e.epoch = %s)"
+)
+_SQLITE_DELETE = (
+    'DELETE FROM messages WHERE vhost = ? AND queue = ? AND "offset" BETWEEN ? AND ?'
+    " AND EXISTS (SELECT 1 FROM queue_epochs e WHERE e.vhost = ? AND e.queue = ? AND e.epoch = ?)"
+)
+_PG_MARK = (
+    f"UPDATE messages m SET state = '{MARKED}' FROM unnest(%s::bigint[], %s::bigint[]) AS r(lo, hi)"
+    ' WHERE m.vhost = %s AND m.queue = %s AND m."offset" BETWEEN r.lo AND r.hi'
+    f" AND m.state <> '{MARKED}'"
+    " AND EXISTS (SELECT 1 FROM queue_epochs e WHERE e.vhost = %s AND e.queue = %s AND e.epoch = %s)"
+)
+_SQLITE_MARK = (
+    f"UPDATE messages SET state = '{MARKED}' WHERE vhost = ? AND queue = ? AND \"offset\" BETWEEN ? AND ?"
+    f" AND state <> '{MARKED}'"
+    " AND EXISTS (SELECT 1 FROM queue_epochs e WHERE e.vhost = ? AND e.queue = ? AND e.epoch = ?)"
+)
+
+
+class BackendError(RuntimeError):
+    pass
+
+
+class Backend:
+    """One store (``sqlite`` file or ``postgres`` DSN), as the retention commands see it."""
+
+    def __init__(self, kind: str, *, data_dir: str = "./leveret-data", dsn: str = "") -> None:
+        if kind not in ("sqlite", "postgres"):
+            raise BackendError(f"unknown store {kind!r} (sqlite or postgres)")
+        if kind == "postgres" and not dsn:
+            raise BackendError("--store postgres needs --postgres-dsn")
+        self.kind = kind
+        self.path = str(Path(data_dir) / SQLITE_FILE)
+        self.dsn = dsn
+        self._conn: Any = None
+
+    # -- connections -------------------------------------------------------------
+    def connect(self) -> Any:
+        if self._conn is not None:
+            return self._conn
+        if self.kind == "sqlite":
+            if not Path(self.path).exists():
+                raise BackendError(f"no store at {self.path} (is --data-dir right?)")
+            db = sqlite3.connect(self.path, isolation_level=None, timeout=30.0)
+            from persistence.sqlite import MIGRATIONS, apply_sqlite
+
+            apply_sqlite(db, MIGRATIONS)
+            self._conn = db
+        else:
+            import psycopg
+
+            from persistence.migrate import apply_postgres
+            from persistence.postgres import MIGRATIONS as PG_MIGRATIONS
+
+            async def migrate() -> None:
+                aconn = await psycopg.AsyncConnection.connect(self.dsn, autocommit=True)
+                async with aconn:
+                    await apply_postgres(aconn, PG_MIGRATIONS)
+
+            asyncio.run(migrate())
+            self._conn = psycopg.connect(self.dsn, autocommit=True, application_name="leveret-retention")
+        return self._conn
+
+    def close(self) -> None:
+        if self._conn is not None:
+            self._conn.close()
+            self._conn = None
+
+    def _rows(self, sql: str, params: Sequence[Any] = ()) -> list[tuple[Any, ...]]:
+        conn = self.connect()
+        if self.kind == "postgres":
+            sql = sql.replace("?", "%s")
+        return [tuple(r) for r in conn.execute(sql, params).fetchall()]
+
+    def _execute(self, sql: str, params: Sequence[Any] = ()) -> int:
+        conn = self.connect()
+        if self.kind == "postgres":
+            sql = sql.replace("?", "%s")
+        cur = conn.execute(sql, params)
+        return int(cur.rowcount)
+
+    # -- JDBC ----------------------------------------------------------------------
+    def jdbc(self) -> tuple[str, dict[str, str]]:
+        """(url, options) for ``spark.read.format("jdbc")``."""
+        if self.kind == "sqlite":
+            return f"jdbc:sqlite:{Path(self.path).resolve()}", {"driver": "org.sqlite.JDBC"}
+        from psycopg.conninfo import conninfo_to_dict
+
+        info = conninfo_to_dict(self.dsn)
+        host = str(info.get("host") or "localhost")
+        if host.startswith("/"):
+            raise BackendError("JDBC cannot use a Unix socket: give --postgres-dsn a TCP host")
+        port = str(info.get("port") or 5432)
+        dbname = str(info.get("dbname") or info.get("user") or "postgres")
+        options = {"driver": "org.postgresql.Driver", "fetchsize": "20000"}
+        if info.get("user"):
+            options["user"] = str(info["user"])
+        if info.get("password"):
+            options["password"] = str(info["password"])
+        if info.get("sslmode"):
+            options["sslmode"] = str(info["sslmode"])
+        return f"jdbc:postgresql://{host}:{port}/{dbname}", options
+
+    # -- reads ---------------------------------------------------------------------
+    def queues(self) -> dict[tuple[str, str], dict[str, Any]]:
+        """Every queue the store knows (declared or holding an epoch), with its decoded arguments."""
+        out: dict[tuple[str, str], dict[str, Any]] = {}
+        for vhost, queue in self._rows("SELECT vhost, queue FROM queue_epochs"):
+            out[(vhost, queue)] = {}
+        for vhost, name, arguments in self._rows("SELECT vhost, name, arguments FROM queues"):
+            out[(vhost, name)] = decode_arguments(arguments)
+        return out
+
+    def epochs(self) -> dict[tuple[str, str], int]:
+        return {(v, q): int(e) for v, q, e in self._rows("SELECT vhost, queue, epoch FROM queue_epochs")}
+
+    def offset_bounds(self) -> tuple[int, int, int]:
+        """(min offset, max offset, row count) of the messages table."""
+        row = self._rows('SELECT MIN("offset"), MAX("offset"), COUNT(*) FROM messages')[0]
+        return int(row[0] or 0), int(row[1] or 0), int(row[2] or 0)
+
+    # -- named policies --------------------------------------------------------------
+    def policies(self) -> list[NamedPolicy]:
+        return [
+            NamedPolicy(name, pattern, age, None if size is None else int(size),
+                        None if length is None else int(length), bool(archive), float(created))
+            for name, pattern, age, size, length, archive, created in self._rows(
+                "SELECT name, pattern, max_age_seconds, max_bytes, max_length, archive, created_at"
+                " FROM retention_policies ORDER BY name"
+            )
+        ]  # fmt: skip
+
+    def set_policy(self, policy: NamedPolicy) -> None:
+        archive: Any = policy.archive if self.kind == "postgres" else int(policy.archive)
+        self._execute(
+            "INSERT INTO retention_policies (name, pattern, max_age_seconds, max_bytes, max_length, archive,"
+            " created_at) VALUES (?, ?, ?, ?, ?, ?, ?) ON CONFLICT (name) DO UPDATE SET pattern = excluded.pattern,"
+            " max_age_seconds = excluded.max_age_seconds, max_bytes = excluded.max_bytes,"
+            " max_length = excluded.max_length, archive = excluded.archive",
+            (policy.name, policy.pattern, policy.max_age_seconds, policy.max_bytes, policy.max_length, archive,
+             policy.created_at or time.time()),
+        )  # fmt: skip
+
+    def delete_policy(self, name: str) -> bool:
+        return self._execute("DELETE FROM retention_policies WHERE name = ?", (name,)) > 0
+
+    # -- fenced deletes ----------------------------------------------------------------
+    def mark_batch(self, vhost: str, queue: str, epoch: int, ranges: Iterable[tuple[int, int]]) -> int | None:
+        """As delete_batch, but set ``state = 'retained-removed'`` instead of deleting (a node's
+        ``load_messages`` skips such rows; a later run deletes them)."""
+        return self.delete_batch(vhost, queue, epoch, ranges, mark=True)
+
+    def delete_batch(
+        self, vhost: str, queue: str, epoch: int, ranges: Iterable[tuple[int, int]], *, mark: bool = False
+    ) -> int | None:
+        """Delete the messages of one queue whose offsets fall in ``ranges`` ((lo, hi), inclusive),
+        if the queue's epoch is still ``epoch``; one transaction.
+
+        The job only passes ranges that held no kept message when it read them
+        (offsets only grow, so none can appear there later). Returns the number
+        of rows deleted, or None when the queue is fenced (a new owner moved the
+        epoch: nothing is deleted). Idempotent: rows gone already are not counted.
+        """
+        spans = sorted({(int(lo), int(hi)) for lo, hi in ranges})
+        if not spans:
+            return 0
+        conn = self.connect()
+        if self.kind == "postgres":
+            with conn.transaction():
+                # Locks the epoch row as the broker's commits do, so a claim waits for us
+                # and a claim that committed first makes us delete nothing.
+                row = conn.execute(
+                    "SELECT epoch FROM queue_epochs WHERE vhost = %s AND queue = %s FOR SHARE", (vhost, queue)
+                ).fetchone()
+                if row is None or int(row[0]) != epoch:
+                    return None
+                los, his = [lo for lo, _ in spans], [hi for _, hi in spans]
+                cur = conn.execute(_PG_MARK if mark else _PG_DELETE, (los, his, vhost, queue, vhost, queue, epoch))
+                return int(cur.rowcount)
+        conn.execute("BEGIN IMMEDIATE")  # the write lock: no claim can interleave
+        try:
+            row = conn.execute(
+                "SELECT epoch FROM queue_epochs WHERE vhost = ? AND queue = ?", (vhost, queue)
+            ).fetchone()
+            if row is None or int(row[0]) != epoch:
+                conn.execute("ROLLBACK")
+                return None
+            before = conn.total_changes
+            statement = _SQLITE_MARK if mark else _SQLITE_DELETE
+            conn.executemany(statement, [(vhost, queue, lo, hi, vhost, queue, epoch) for lo, hi in spans])
+            deleted = conn.total_changes - before
+            conn.execute("COMMIT")
+        except BaseException:
+            if conn.in_transaction:
+                conn.execute("ROLLBACK")
+            raise
+        return int(deleted)
