@@ -306,13 +306,7 @@ class Connection:
             exchange, rk, mandatory, immediate = codec.decode_publish(buf, pos + 7, end)
         except (IndexError, UnicodeDecodeError):
             return 0
-        try:
-            ch.publish(exchange, rk, mandatory, immediate, bytes(buf[hpos + 19 : hend]), body)
-        except BrokerError as exc:
-            if exc.code not in CHANNEL_ERROR_CODES:
-                exc.class_id, exc.method_id = 60, 40  # type: ignore[attr-defined]
-                raise
-            self._close_channel(ch, exc, 60, 40)
+        self._guard(ch, 60, 40, ch.publish, exchange, rk, mandatory, immediate, bytes(buf[hpos + 19 : hend]), body)
         return after
 
     def _bad_header(self) -> None:
@@ -453,15 +447,7 @@ class Connection:
             raise UnexpectedFrame(
                 f"expected content header for class 60, got {method.name} on channel {number}"
             )
-        try:
-            ch.handle(method)
-        except BrokerError as exc:
-            if exc.code in CHANNEL_ERROR_CODES:
-                self._close_channel(ch, exc, class_id, method_id)
-            else:
-                exc.class_id = class_id  # type: ignore[attr-defined]
-                exc.method_id = method_id  # type: ignore[attr-defined]
-                raise
+        self._guard(ch, class_id, method_id, ch.handle, method)
 
     def fail_channel(self, ch: Channel, exc: BrokerError, class_id: int, method_id: int) -> None:
         """A channel error found outside receive_data (a store failure after the fact)."""
