@@ -75,6 +75,9 @@ class Channel:
         # Direct reply-to: this channel's reply address token and consumer.
         self.reply_token: str | None = None
         self.reply_consumer_tag: str | None = None
+        # While this channel deletes a queue: cancels of its own consumers wait for
+        # delete-ok, which RabbitMQ sends first (kombu's integration suite relies on it).
+        self._deferred_cancels: list[str] | None = None
 
     # ------------------------------------------------------------------ sink
     def has_credit(self, consumer: Consumer) -> bool:
@@ -124,6 +127,9 @@ class Channel:
             return
         self._consumer_tag_raw.pop(consumer.tag, None)
         if self.conn.client_capability("consumer_cancel_notify") and not self.closing:
+            if self._deferred_cancels is not None:
+                self._deferred_cancels.append(consumer.tag)
+                return
             self.conn.send_method(self.number, commands.Basic.Cancel(consumer_tag=consumer.tag, nowait=True))
 
     # --------------------------------------------------------------- publish
@@ -487,8 +493,9 @@ class Channel:
 
     def _exchange_unbind(self, m: commands.Exchange.Unbind) -> None:
         assert self.vhost is not None
-        dest = self.vhost.get_exchange(m.destination)
-        self.vhost.unbind(m.source, dest, m.routing_key, m.arguments)
+        dest = self.vhost.exchanges.get(m.destination)
+        if dest is not None:  # unbinding from or to what is gone succeeds, as in RabbitMQ
+            self.vhost.unbind(m.source, dest, m.routing_key, m.arguments)
         if not m.nowait:
             self._reply(commands.Exchange.UnbindOk())
 
@@ -536,8 +543,9 @@ class Channel:
 
     def _queue_unbind(self, m: commands.Queue.Unbind) -> None:
         assert self.vhost is not None
-        q = self._get_queue(m.queue)
-        self.vhost.unbind(m.exchange, q, m.routing_key, m.arguments)
+        if self._queue_name(m.queue) in self.vhost.queues:  # a missing queue unbinds fine, as in RabbitMQ
+            q = self._get_queue(m.queue)
+            self.vhost.unbind(m.exchange, q, m.routing_key, m.arguments)
         self._reply(commands.Queue.UnbindOk())
 
     def _queue_purge(self, m: commands.Queue.Purge) -> None:
@@ -547,11 +555,17 @@ class Channel:
 
     def _queue_delete(self, m: commands.Queue.Delete) -> None:
         assert self.vhost is not None
-        count = self.vhost.delete_queue(
-            self._queue_name(m.queue), self.conn, if_unused=m.if_unused, if_empty=m.if_empty
-        )
+        self._deferred_cancels = []
+        try:
+            count = self.vhost.delete_queue(
+                self._queue_name(m.queue), self.conn, if_unused=m.if_unused, if_empty=m.if_empty
+            )
+        finally:
+            deferred, self._deferred_cancels = self._deferred_cancels, None
         if not m.nowait:
             self._reply(commands.Queue.DeleteOk(message_count=count))
+        for tag in deferred:
+            self.conn.send_method(self.number, commands.Basic.Cancel(consumer_tag=tag, nowait=True))
 
     # basic
     def _basic_qos(self, m: commands.Basic.Qos) -> None:

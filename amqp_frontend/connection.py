@@ -423,9 +423,11 @@ class Connection:
         if isinstance(method, commands.Channel.Open):
             if ch is not None:
                 raise ChannelError(f"second 'channel.open' seen on channel {number}")
-            if number > self.channel_max:
+            if len(self.channels) >= self.channel_max:
+                # RabbitMQ limits how many channels are open, not their numbers.
                 raise NotAllowed(
-                    f"channel number {number} exceeds the negotiated channel_max ({self.channel_max})"
+                    f"number of channels opened ({len(self.channels)}) has reached the negotiated "
+                    f"channel_max ({self.channel_max})"
                 )
             self.channels[number] = Channel(self, number)
             self.send_method(number, commands.Channel.OpenOk())
@@ -526,7 +528,9 @@ class Connection:
                        "client": str(self.client_properties.get("product", ""))},
             )
         elif state is State.OPEN and isinstance(method, commands.Connection.UpdateSecret):
-            raise NotAllowed("connection.update-secret is only for token-based logins, not PLAIN users")
+            # As RabbitMQ 3.10 does for password users: accepted; it changes nothing for PLAIN logins.
+            log.info("connection.update-secret", extra={"peer": self._peer_text(), "reason": method.reason})
+            self.send_method(0, commands.Connection.UpdateSecretOk())
         else:
             raise CommandInvalid(f"{method.name} is not expected on channel 0 in state {state.value}")
 

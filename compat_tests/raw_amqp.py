@@ -240,7 +240,7 @@ class RawAMQP:
     def close(self) -> None:
         """Politely close the connection (connection.close / close-ok)."""
         try:
-            self.send(commands.Connection.Close(reply_code=200, reply_text="bye"))
+            self.send(commands.Connection.Close(reply_code=200, reply_text="bye", class_id=0, method_id=0))
             deadline = time.monotonic() + 5
             while time.monotonic() < deadline:
                 _ch, value = self.read_frame(deadline - time.monotonic())

@@ -300,7 +300,9 @@ class VirtualHost:
     def unbind(self, source: str, destination: Destination, routing_key: str, arguments: dict[str, Any] | None) -> None:
         if source == "":
             raise AccessRefused("operation not permitted on the default exchange")
-        x = self.get_exchange(source)
+        x = self.exchanges.get(source)
+        if x is None:
+            return  # unbinding from a missing exchange succeeds, as in RabbitMQ
         key = Binding(x, destination, routing_key, arguments).key
         b = x.bindings.get(key)
         if b is not None:
