@@ -435,6 +435,10 @@ class Channel:
         for consumer in list(self.consumers.values()):
             consumer.channel.remove_consumer(consumer)
         self.consumers.clear()
+        self._requeue_unacked()
+
+    def _requeue_unacked(self) -> None:
+        """Every delivery still unacked goes back to its queue, in order, redelivered."""
         entries = list(self.unacked.values())
         self.unacked.clear()
         if entries:
@@ -661,17 +665,13 @@ class Channel:
     def _basic_recover(self, m: commands.Basic.Recover) -> None:
         if not m.requeue:
             raise NotImplementedFeature("requeue=false")
-        entries = list(self.unacked.values())
-        self.unacked.clear()
-        self._return_entries(entries, requeue=True)
+        self._requeue_unacked()
         self._reply(commands.Basic.RecoverOk())
 
     def _basic_recover_async(self, m: commands.Basic.RecoverAsync) -> None:
         if not m.requeue:
             raise NotImplementedFeature("requeue=false")
-        entries = list(self.unacked.values())
-        self.unacked.clear()
-        self._return_entries(entries, requeue=True)
+        self._requeue_unacked()
 
     # confirm / tx
     def _confirm_select(self, m: commands.Confirm.Select) -> None:

@@ -588,20 +588,7 @@ class Connection:
             "connection closed by server",
             extra={"peer": self._peer_text(), "code": exc.code, "reason": exc.text},
         )
-        for ch in list(self.channels.values()):
-            ch.release()
-        self.flush_confirms()
-        self.send_method(
-            0,
-            commands.Connection.Close(
-                reply_code=exc.code,
-                reply_text=exc.reply_text[:255],
-                class_id=getattr(exc, "class_id", 0),
-                method_id=getattr(exc, "method_id", 0),
-            ),
-        )
-        self.state = State.CLOSING
-        self.closing_since = self._now if self._manual_clock else time.monotonic()
+        self._send_close(exc.code, exc.reply_text[:255], getattr(exc, "class_id", 0), getattr(exc, "method_id", 0))
         self.close_reason = exc.reply_text
         if self.vhost is None:
             # Before open (bad login, failed tune): nothing to wait for.
@@ -614,9 +601,15 @@ class Connection:
         if self.state is not State.OPEN:
             self._closed("shutdown")
             return
+        self._send_close(code, text, 0, 0)
+
+    def _send_close(self, code: int, text: str, class_id: int, method_id: int) -> None:
+        """Release every channel (requeueing what they hold) and wait for close-ok."""
         for ch in list(self.channels.values()):
             ch.release()
-        self.send_method(0, commands.Connection.Close(reply_code=code, reply_text=text, class_id=0, method_id=0))
+        self.send_method(
+            0, commands.Connection.Close(reply_code=code, reply_text=text, class_id=class_id, method_id=method_id)
+        )
         self.state = State.CLOSING
         self.closing_since = self._now if self._manual_clock else time.monotonic()
 

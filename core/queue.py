@@ -101,13 +101,7 @@ class QueueChannel:
             # TTL of 0 means "deliver now or never".
             c = self._pick()
             if c is not None:
-                qm.delivery_count += 1
-                if not c.no_ack:
-                    self.unacked += 1
-                    c.unacked += 1
-                elif qm.persisted:
-                    self.queue.forget(qm)
-                c.sink.deliver(c, qm)
+                self._hand_over(c, qm)
                 return
         self.ready.append(qm)
         self.ready_bytes += len(qm.message.body)
@@ -173,15 +167,19 @@ class QueueChannel:
                 if qm.expires_at is not None and qm.expires_at <= queue.scheduler.now():
                     queue.drop([qm], EXPIRED)
                     continue
-                qm.delivery_count += 1
-                if not c.no_ack:
-                    self.unacked += 1
-                    c.unacked += 1
-                elif qm.persisted:
-                    queue.forget(qm)
-                c.sink.deliver(c, qm)
+                self._hand_over(c, qm)
         finally:
             self._dispatching = False
+
+    def _hand_over(self, c: Consumer, qm: QueuedMessage) -> None:
+        """Deliver ``qm`` to ``c``: unacked until settled, or gone at once for no-ack."""
+        qm.delivery_count += 1
+        if not c.no_ack:
+            self.unacked += 1
+            c.unacked += 1
+        elif qm.persisted:
+            self.queue.forget(qm)
+        c.sink.deliver(c, qm)
 
     def get(self, no_ack: bool) -> QueuedMessage | None:
         """basic.get: the next ready message that has not expired, or None."""
@@ -404,13 +402,7 @@ class Queue:
         if self.storage is not None and message.summary.delivery_mode == 2:
             qm.persisted = True
             self.storage.append(qm)
-        channels = self.channels
-        if len(channels) == 1:
-            channels[0].push(qm)
-        else:
-            for ch in channels:
-                if ch.accepts is None or ch.accepts(message.routing_key):
-                    ch.push(qm if ch is channels[0] else qm.copy())
+        self._push_to_channels(qm)
         if self._limited:
             self._drop_over_limit()
         return True
@@ -455,8 +447,17 @@ class Queue:
         qm.redelivered = True
         qm.persisted = True
         self.next_offset = max(self.next_offset, offset + 1)
-        for ch in self.channels:
-            ch.push(qm if ch is self.channels[0] else qm.copy())
+        self._push_to_channels(qm)
+
+    def _push_to_channels(self, qm: QueuedMessage) -> None:
+        """Every channel whose filter passes the message gets it (its own copy past the first)."""
+        channels = self.channels
+        if len(channels) == 1:
+            channels[0].push(qm)
+            return
+        for ch in channels:
+            if ch.accepts is None or ch.accepts(qm.message.routing_key):
+                ch.push(qm if ch is channels[0] else qm.copy())
 
     def dead_letter(self, messages: list[QueuedMessage], reason: str) -> None:
         """Messages leave without an ack: to the dead-letter exchange if there is one."""
@@ -527,7 +528,7 @@ class Queue:
             self.touch()
 
     def purge(self) -> int:
-        return sum(ch.purge() for ch in self.channels) if len(self.channels) > 1 else self.default.purge()
+        return sum(ch.purge() for ch in self.channels)
 
     def delete(self) -> int:
         """Mark deleted, cancel every consumer and timer; return the ready count dropped."""
