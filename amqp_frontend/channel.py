@@ -30,6 +30,7 @@ from core.errors import (
 from core.exchange import Exchange
 from core.message import Message, QueuedMessage
 from core.queue import Consumer, Queue, QueueChannel
+from core.vhost import server_generated_name
 
 if TYPE_CHECKING:
     from amqp_frontend.connection import Connection
@@ -248,12 +249,17 @@ class Channel:
         accepted = True
         routed = True
         stored = False
+        # Cluster: answers awaited from the owners of remote queues (confirm mode only).
+        forwarded: _Join | None = None
         if exchange is None:
             # The default exchange: the routing key names the queue.
             q = vhost.queues.get(routing_key)
             if q is not None:
                 accepted = q.enqueue(message)
                 stored = q.storage is not None
+                if q.remote is not None and self.confirm:
+                    forwarded = _Join()
+                    q.remote.when_forwarded(forwarded.one())
             elif routing_key.startswith(direct_reply.PREFIX):
                 routed = self.conn.broker.reply_to.deliver(routing_key, message)
             else:
@@ -266,6 +272,10 @@ class Channel:
                     accepted = False
                 elif q.storage is not None:
                     stored = True
+                elif q.remote is not None and self.confirm:
+                    if forwarded is None:
+                        forwarded = _Join()
+                    q.remote.when_forwarded(forwarded.one())
         if not routed and mandatory:
             self.conn.send_method(
                 self.number,
@@ -277,7 +287,17 @@ class Channel:
         if self.confirm:
             self.publish_seq += 1
             seq = self.publish_seq
-            if stored and accepted and message.summary.delivery_mode == 2:
+            if forwarded is not None and accepted:
+                # Confirmed once every owner answered (after its commit) and our own store committed.
+                entry = [seq, None]
+                self._waiting.append(entry)
+                if stored and message.summary.delivery_mode == 2:
+                    committer = self.conn.broker.committer
+                    assert committer is not None
+                    local = forwarded.one()
+                    committer.when_committed(lambda error: local(error is None))
+                forwarded.finish(lambda ok: self._store_outcome(entry, None if ok else _REFUSED))
+            elif stored and accepted and message.summary.delivery_mode == 2:
                 # Confirm only once the store has committed it (group commit).
                 entry = [seq, None]
                 self._waiting.append(entry)
@@ -470,6 +490,16 @@ class Channel:
     # exchange
     def _exchange_declare(self, m: commands.Exchange.Declare) -> None:
         assert self.vhost is not None
+        cluster = self.conn.broker.cluster
+        if cluster is not None and not m.passive:
+            op = cluster.declare_exchange(self.vhost, m.exchange, m.exchange_type, m.durable, m.auto_delete,
+                                          m.internal, dict(m.arguments or {}))
+            self.conn.suspend(self, 40, 10, op, lambda _: self._exchange_declare_local(m))
+            return
+        self._exchange_declare_local(m)
+
+    def _exchange_declare_local(self, m: commands.Exchange.Declare) -> None:
+        assert self.vhost is not None
         self.vhost.declare_exchange(
             m.exchange,
             m.exchange_type,
@@ -484,11 +514,43 @@ class Channel:
 
     def _exchange_delete(self, m: commands.Exchange.Delete) -> None:
         assert self.vhost is not None
+        cluster = self.conn.broker.cluster
+        if cluster is not None and m.exchange in self.vhost.exchanges and not m.exchange.startswith("amq."):
+            op = cluster.delete_exchange(self.vhost, m.exchange, m.if_unused)
+            self.conn.suspend(self, 40, 20, op, lambda _: self._exchange_delete_local(m))
+            return
+        self._exchange_delete_local(m)
+
+    def _exchange_delete_local(self, m: commands.Exchange.Delete) -> None:
+        assert self.vhost is not None
         self.vhost.delete_exchange(m.exchange, if_unused=m.if_unused)
         if not m.nowait:
             self._reply(commands.Exchange.DeleteOk())
 
+    def _cluster_bind(self, class_id: int, method_id: int, source: str, kind: str, dest: str, routing_key: str,
+                      arguments: dict[str, Any] | None, add: bool, then: Any) -> bool:
+        """Cluster mode: agree a binding change in etcd first; False in single node mode."""
+        cluster = self.conn.broker.cluster
+        if cluster is None:
+            return False
+        assert self.vhost is not None
+        if source == "":
+            raise AccessRefused("operation not permitted on the default exchange")
+        if add:
+            self.vhost.get_exchange(source)  # 404 before asking the cluster
+        op = cluster.bind(self.vhost, source, kind, dest, routing_key, dict(arguments or {}), add)
+        self.conn.suspend(self, class_id, method_id, op, lambda _: then())
+        return True
+
     def _exchange_bind(self, m: commands.Exchange.Bind) -> None:
+        assert self.vhost is not None
+        dest = self.vhost.get_exchange(m.destination)
+        if self._cluster_bind(40, 30, m.source, "exchange", dest.name, m.routing_key, m.arguments, True,
+                              lambda: self._exchange_bind_local(m)):
+            return
+        self._exchange_bind_local(m)
+
+    def _exchange_bind_local(self, m: commands.Exchange.Bind) -> None:
         assert self.vhost is not None
         dest = self.vhost.get_exchange(m.destination)
         self.vhost.bind(m.source, dest, m.routing_key, m.arguments)
@@ -496,6 +558,15 @@ class Channel:
             self._reply(commands.Exchange.BindOk())
 
     def _exchange_unbind(self, m: commands.Exchange.Unbind) -> None:
+        assert self.vhost is not None
+        if m.destination in self.vhost.exchanges and self._cluster_bind(
+            40, 40, m.source, "exchange", m.destination, m.routing_key, m.arguments, False,
+            lambda: self._exchange_unbind_local(m),
+        ):
+            return
+        self._exchange_unbind_local(m)
+
+    def _exchange_unbind_local(self, m: commands.Exchange.Unbind) -> None:
         assert self.vhost is not None
         dest = self.vhost.exchanges.get(m.destination)
         if dest is not None:  # unbinding from or to what is gone succeeds, as in RabbitMQ
@@ -516,6 +587,10 @@ class Channel:
             return
         if m.passive and not name:
             name = self._queue_name("")
+        cluster = self.conn.broker.cluster
+        if cluster is not None:
+            self._queue_declare_cluster(m, name or server_generated_name())
+            return
         q = self.vhost.declare_queue(
             name,
             self.conn,
@@ -531,6 +606,28 @@ class Channel:
                 commands.Queue.DeclareOk(queue=q.name, message_count=q.message_count, consumer_count=q.consumer_count)
             )
 
+    def _queue_declare_cluster(self, m: commands.Queue.Declare, name: str) -> None:
+        vhost, cluster = self.vhost, self.conn.broker.cluster
+        assert vhost is not None and cluster is not None
+        conn = self.conn
+
+        async def op() -> tuple[Queue, int, int]:
+            if not m.passive:
+                await cluster.declare_queue(vhost, name, conn, m.durable, m.exclusive, m.auto_delete,
+                                            dict(m.arguments or {}))
+            q = vhost.declare_queue(name, conn, passive=m.passive, durable=m.durable, exclusive=m.exclusive,
+                                    auto_delete=m.auto_delete, arguments=m.arguments)
+            messages, consumers = await cluster.counts(q)
+            return q, messages, consumers
+
+        def then(result: tuple[Queue, int, int]) -> None:
+            q, messages, consumers = result
+            self.last_queue = q.name
+            if not m.nowait:
+                self._reply(commands.Queue.DeclareOk(queue=q.name, message_count=messages, consumer_count=consumers))
+
+        conn.suspend(self, 50, 10, op(), then)
+
     def _get_queue(self, name: str) -> Queue:
         assert self.vhost is not None
         return self.vhost.get_queue(self._queue_name(name), self.conn)
@@ -541,24 +638,67 @@ class Channel:
         if not m.queue and not routing_key:
             routing_key = self._queue_name("")
         q = self._get_queue(m.queue)
-        self.vhost.bind(m.exchange, q, routing_key, m.arguments)
-        if not m.nowait:
-            self._reply(commands.Queue.BindOk())
+
+        def local() -> None:
+            assert self.vhost is not None
+            self.vhost.bind(m.exchange, q, routing_key, m.arguments)
+            if not m.nowait:
+                self._reply(commands.Queue.BindOk())
+
+        if not self._cluster_bind(50, 20, m.exchange, "queue", q.name, routing_key, m.arguments, True, local):
+            local()
 
     def _queue_unbind(self, m: commands.Queue.Unbind) -> None:
         assert self.vhost is not None
         if self._queue_name(m.queue) in self.vhost.queues:  # a missing queue unbinds fine, as in RabbitMQ
             q = self._get_queue(m.queue)
-            self.vhost.unbind(m.exchange, q, m.routing_key, m.arguments)
+
+            def local() -> None:
+                assert self.vhost is not None
+                self.vhost.unbind(m.exchange, q, m.routing_key, m.arguments)
+                self._reply(commands.Queue.UnbindOk())
+
+            if not self._cluster_bind(50, 50, m.exchange, "queue", q.name, m.routing_key, m.arguments, False, local):
+                local()
+            return
         self._reply(commands.Queue.UnbindOk())
 
     def _queue_purge(self, m: commands.Queue.Purge) -> None:
-        count = self._get_queue(m.queue).purge()
+        q = self._get_queue(m.queue)
+        cluster = self.conn.broker.cluster
+        if cluster is not None and q.remote is not None:
+            self.conn.suspend(self, 50, 30, cluster.purge(q), lambda count: self._purged(m, count))
+            return
+        self._purged(m, q.purge())
+
+    def _purged(self, m: commands.Queue.Purge, count: int) -> None:
         if not m.nowait:
             self._reply(commands.Queue.PurgeOk(message_count=count))
 
     def _queue_delete(self, m: commands.Queue.Delete) -> None:
         assert self.vhost is not None
+        cluster = self.conn.broker.cluster
+        name = self._queue_name(m.queue)
+        vhost = self.vhost
+        if cluster is not None and name in vhost.queues:
+            self._deferred_cancels = []
+
+            def deleted(count: int) -> None:
+                deferred, self._deferred_cancels = self._deferred_cancels or [], None
+                if not m.nowait:
+                    self._reply(commands.Queue.DeleteOk(message_count=count))
+                for tag in deferred:
+                    self.conn.send_method(self.number, commands.Basic.Cancel(consumer_tag=tag, nowait=True))
+
+            async def op() -> int:
+                try:
+                    return await cluster.delete_queue(vhost, name, self.conn, m.if_unused, m.if_empty)
+                except BaseException:
+                    self._deferred_cancels = None
+                    raise
+
+            self.conn.suspend(self, 50, 40, op(), deleted)
+            return
         self._deferred_cancels = []
         try:
             count = self.vhost.delete_queue(
@@ -637,9 +777,17 @@ class Channel:
 
     def _basic_get(self, m: commands.Basic.Get) -> None:
         q = self._get_queue(m.queue)
+        cluster = self.conn.broker.cluster
+        if cluster is not None and q.remote is not None:
+            self.conn.suspend(self, 60, 70, cluster.get(q, m.no_ack),
+                              lambda result: self._got(m, q.default, result[0], result[1]))
+            return
         q.touch()
         qch = q.default
         qm = qch.get(m.no_ack)
+        self._got(m, qch, qm, len(qch.ready))
+
+    def _got(self, m: commands.Basic.Get, qch: QueueChannel, qm: QueuedMessage | None, remaining: int) -> None:
         if qm is None:
             self._reply(commands.Basic.GetEmpty())
             return
@@ -649,7 +797,7 @@ class Channel:
             self.unacked[tag] = (qm, None, qch)
         msg = qm.message
         self.conn.write(
-            codec.get_ok_frame(self.number, tag, qm.redelivered, msg.exchange, msg.routing_key, len(qch.ready))
+            codec.get_ok_frame(self.number, tag, qm.redelivered, msg.exchange, msg.routing_key, remaining)
         )
         self.conn.write_content(self.number, msg.props, msg.body)
 
@@ -778,3 +926,35 @@ _HANDLERS: dict[type, Any] = {
 }
 
 __all__ = ["Channel", "BrokerError"]
+
+
+_REFUSED = RuntimeError("refused by the queue's owner")
+
+
+class _Join:
+    """Waits for several answers (owners, the local store); ok only if all are."""
+
+    __slots__ = ("pending", "ok", "done")
+
+    def __init__(self) -> None:
+        self.pending = 0
+        self.ok = True
+        self.done: Any = None
+
+    def one(self) -> Any:
+        self.pending += 1
+
+        def answer(ok: bool) -> None:
+            self.pending -= 1
+            self.ok = self.ok and ok
+            if self.pending == 0 and self.done is not None:
+                done, self.done = self.done, None
+                done(self.ok)
+
+        return answer
+
+    def finish(self, done: Any) -> None:
+        if self.pending == 0:
+            done(self.ok)
+        else:
+            self.done = done

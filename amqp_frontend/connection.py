@@ -12,7 +12,7 @@ from __future__ import annotations
 import enum
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -127,6 +127,10 @@ class Connection:
         self.close_reason = ""
         self.has_published = False
         self.blocked = False  # reading paused by the memory alarm
+        # Cluster mode: a method waiting for etcd or a queue's owner. Input is
+        # not processed meanwhile, so every channel's methods keep their order.
+        self.suspended = 0
+        self.run_async: Callable[[Awaitable[Any], Callable[[Any, BaseException | None], None]], None] | None = None
 
     # ------------------------------------------------------------ output
     @property
@@ -235,7 +239,7 @@ class Connection:
         unpack = codec.frame_head.unpack_from
         frame_max = self.frame_max
         try:
-            while n - pos >= 8 and not self.should_close:
+            while n - pos >= 8 and not self.should_close and not self.suspended:
                 ftype, channel, size = unpack(buf, pos)
                 if size + 8 > frame_max:
                     raise FrameError(f"frame size {size + 8} exceeds negotiated frame_max {frame_max}")
@@ -308,6 +312,46 @@ class Connection:
             return 0
         self._guard(ch, 60, 40, ch.publish, exchange, rk, mandatory, immediate, bytes(buf[hpos + 19 : hend]), body)
         return after
+
+    def suspend(self, ch: Channel, class_id: int, method_id: int, op: Awaitable[Any],
+                then: Callable[[Any], None]) -> None:
+        """Finish a method once ``op`` (cluster metadata, a remote queue) completes.
+
+        Nothing after this method is processed until then, so replies keep
+        the order of the requests. ``then`` gets ``op``'s result; an error of
+        ``op`` is handled as if the method itself had raised it.
+        """
+        if self.run_async is None:
+            raise InternalError("asynchronous operation without an event loop")
+        self.suspended += 1
+
+        def done(result: Any, error: BaseException | None) -> None:
+            self.suspended -= 1
+            if self.state is State.CLOSED or self.should_close:
+                return
+            self._in_receive = True
+            try:
+                if error is None:
+                    self._guard(ch, class_id, method_id, then, result)
+                elif isinstance(error, BrokerError):
+                    self._guard(ch, class_id, method_id, _raise, error)
+                else:
+                    log.error("cluster operation failed", exc_info=error, extra={"peer": self._peer_text()})
+                    self._guard(ch, class_id, method_id, _raise, InternalError(f"cluster operation failed: {error}"))
+            except BrokerError as exc:
+                self.close_with_error(exc)
+            except Exception:
+                log.exception("internal error finishing a method", extra={"peer": self._peer_text()})
+                self.close_with_error(InternalError("internal error; see the broker log"))
+            finally:
+                self._in_receive = False
+            if not self.suspended and self._buf:
+                self.receive_data(b"")
+            else:
+                self.flush_confirms()
+            self.on_output()
+
+        self.run_async(op, done)
 
     def _bad_header(self) -> None:
         # The spec: answer a header we do not speak with the one we do, then close.
@@ -657,6 +701,10 @@ class Connection:
 
     def _peer_text(self) -> str:
         return f"{self.peer[0]}:{self.peer[1]}" if self.peer else "-"
+
+
+def _raise(exc: BaseException) -> None:
+    raise exc
 
 
 def _noop() -> None:

@@ -5,6 +5,8 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections.abc import Awaitable, Callable
+from typing import Any
 
 from pamqp import commands
 
@@ -20,6 +22,7 @@ class AMQPProtocol(asyncio.Protocol):
         self.conn: Connection | None = None
         self.transport: asyncio.Transport | None = None
         self._flush_scheduled = False
+        self._flow_paused = False
         self._loop = asyncio.get_running_loop()
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
@@ -28,6 +31,7 @@ class AMQPProtocol(asyncio.Protocol):
         peer = transport.get_extra_info("peername")
         conn = Connection(self.server.broker, self.server.settings, peer=(peer[0], peer[1]) if peer else None)
         conn.on_output = self._schedule_flush
+        conn.run_async = self._run_async
         self.conn = conn
         tr.set_write_buffer_limits(high=1024 * 1024, low=256 * 1024)  # type: ignore[attr-defined]
         self.server.connections.add(self)
@@ -38,7 +42,33 @@ class AMQPProtocol(asyncio.Protocol):
         conn.receive_data(data)
         if self.server.broker.memory_alarm and conn.has_published and not conn.blocked:
             self.block()
+        elif self.server.broker.forward_congested and conn.has_published and not self._flow_paused:
+            self.pause_for_flow()
         self._flush()
+
+    def _run_async(self, op: Awaitable[Any], done: Callable[[Any, BaseException | None], None]) -> None:
+        async def run() -> None:
+            try:
+                result = await op
+            except Exception as exc:  # noqa: BLE001 - handed to the state machine
+                done(None, exc)
+                return
+            done(result, None)
+
+        self._loop.create_task(run())
+
+    def pause_for_flow(self) -> None:
+        """Forwarded publishes pile up at a slow owner: stop reading from this publisher for now."""
+        if self.transport is not None and not self._flow_paused:
+            self._flow_paused = True
+            self.server.flow_paused.add(self)
+            self.transport.pause_reading()
+
+    def resume_for_flow(self) -> None:
+        if self.transport is not None and self._flow_paused:
+            self._flow_paused = False
+            if not (self.conn is not None and self.conn.blocked):
+                self.transport.resume_reading()
 
     def block(self) -> None:
         """Memory alarm: stop reading from this publisher (RabbitMQ's connection.blocked)."""
@@ -58,7 +88,8 @@ class AMQPProtocol(asyncio.Protocol):
         conn.blocked = False
         if conn.client_capability("connection.blocked"):
             conn.send_method(0, commands.Connection.Unblocked())
-        transport.resume_reading()
+        if not self._flow_paused:
+            transport.resume_reading()
         self._flush()
 
     def _schedule_flush(self) -> None:
@@ -113,6 +144,15 @@ class AMQPServer:
         self.connections: set[AMQPProtocol] = set()
         self._server: asyncio.base_events.Server | None = None
         self._ticker: asyncio.Task[None] | None = None
+        self.flow_paused: set[AMQPProtocol] = set()
+        broker.flow_listeners.append(self._flow_changed)
+
+    def _flow_changed(self, congested: bool) -> None:
+        if congested:
+            return  # publishers pause as they next send
+        paused, self.flow_paused = self.flow_paused, set()
+        for proto in paused:
+            proto.resume_for_flow()
 
     async def start(self, host: str, port: int) -> None:
         loop = asyncio.get_running_loop()

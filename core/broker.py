@@ -15,6 +15,9 @@ from core.errors import AccessRefused, NotAllowed
 from core.vhost import VirtualHost
 
 if TYPE_CHECKING:
+    from collections.abc import Callable
+
+    from core.cluster import Cluster
     from core.durability import Durability
     from core.group_commit import GroupCommitter
 
@@ -68,11 +71,22 @@ class Broker:
         self.committer: GroupCommitter | None = None
         # Set by the node's memory monitor; the front ends stop reading from publishers.
         self.memory_alarm = False
+        # Cluster mode (coordination/etcd.py): shared metadata, remote queues.
+        self.cluster: Cluster | None = None
+        # Forwarded publishes wait at a slow owner: front ends stop reading from publishers.
+        self.forward_congested = False
+        self.flow_listeners: list[Callable[[bool], None]] = []
         self.add_vhost("/")
         if default_user is not None:
             name, password = default_user
             # As in RabbitMQ, the well-known default account only works from loopback.
             self.add_user(name, password, tags=("administrator",), vhosts={"/"}, loopback_only=True)
+
+    def set_forward_congestion(self, congested: bool) -> None:
+        if congested != self.forward_congested:
+            self.forward_congested = congested
+            for listener in list(self.flow_listeners):
+                listener(congested)
 
     def add_vhost(self, name: str) -> VirtualHost:
         vh = self.vhosts.get(name)

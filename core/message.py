@@ -86,6 +86,10 @@ class QueuedMessage:
 
     __slots__ = ("message", "offset", "redelivered", "delivery_count", "expires_at", "persisted")
 
+    # Set (in core.forwarding.ProxiedMessage) on a message a non-owner node
+    # received from the queue's owner: settling it is reported back there.
+    link: Any = None
+
     def __init__(self, message: Message, offset: int) -> None:
         self.message = message
         self.offset = offset

@@ -22,6 +22,7 @@ from core.ready import PriorityReady, requeue_into
 
 if TYPE_CHECKING:
     from core.durability import QueueStorage
+    from core.forwarding import QueueRemote
 
 # Why a message left a queue without being acknowledged (x-death "reason").
 REJECTED = "rejected"
@@ -179,6 +180,8 @@ class QueueChannel:
             c.unacked += 1
         elif qm.persisted:
             self.queue.forget(qm)
+        elif qm.link is not None:
+            qm.link.settle(qm)
         c.sink.deliver(c, qm)
 
     def get(self, no_ack: bool) -> QueuedMessage | None:
@@ -193,6 +196,8 @@ class QueueChannel:
             self.unacked += 1
         elif qm.persisted:
             self.queue.forget(qm)
+        elif qm.link is not None:
+            qm.link.settle(qm)
         return qm
 
     # -- expiry ----------------------------------------------------------------
@@ -241,14 +246,18 @@ class QueueChannel:
             consumer.unacked -= 1
         if qm.persisted:
             self.queue.forget(qm)
+        elif qm.link is not None:
+            qm.link.settle(qm)
 
     def discard(self, items: Iterable[tuple[QueuedMessage, Consumer | None]]) -> None:
         """Rejected without requeue: settle, and dead-letter where the queue says so."""
         dropped = []
         for qm, consumer in items:
+            if qm.link is not None:
+                qm.link.reject_next(qm)  # the owner drops (and dead-letters) it
             self.settle(qm, consumer)
             dropped.append(qm)
-        if dropped and not self.queue.deleted:
+        if dropped and not self.queue.deleted and self.queue.remote is None:
             self.queue.dead_letter(dropped, REJECTED)  # settle already removed them from the store
         self.dispatch()
 
@@ -259,7 +268,9 @@ class QueueChannel:
             self.unacked -= 1
             if consumer is not None:
                 consumer.unacked -= 1
-            if self.queue.deleted:
+            if self.queue.deleted or (self.queue.remote is not None and qm.link is None):
+                # Gone, or delivered while this node owned a queue it no longer
+                # does: the new owner redelivers it from the store.
                 continue
             qm.redelivered = True
             back.append(qm)
@@ -286,6 +297,8 @@ class QueueChannel:
         self.consumers.append(consumer)
         self._regroup()
         self.queue.consumer_added()
+        if self.queue.remote is not None:
+            self.queue.remote.consumers_changed(self)
         if dispatch:
             self.dispatch()
 
@@ -298,6 +311,8 @@ class QueueChannel:
             self._next = 0
         self._regroup()
         self.queue.consumer_removed()
+        if self.queue.remote is not None:
+            self.queue.remote.consumers_changed(self)
         if self.consumers and self.ready:
             # Single active consumer: the next one in line takes over.
             self.dispatch()
@@ -367,6 +382,9 @@ class Queue:
         self._expires_timer: TimerHandle | None = None
         # Set by core.durability for durable queues when a store is configured.
         self.storage: QueueStorage | None = None
+        # Cluster: set while another node owns the queue (or it is being taken
+        # over); publishes go there and consumers are served through a proxy.
+        self.remote: QueueRemote | None = None
         self.touch()
 
     @property
@@ -390,6 +408,9 @@ class Queue:
 
     def enqueue(self, message: Message) -> bool:
         """Add ``message``; False when the queue refused it (x-overflow reject-publish*)."""
+        if self.remote is not None:
+            self.remote.forward(message)
+            return True
         if self._limited and self.args.overflow != "drop-head" and self._full(len(message.body)):
             if self.args.overflow == "reject-publish-dlx":
                 self.dead_letter([QueuedMessage(message, -1)], MAXLEN)

@@ -102,16 +102,7 @@ class VirtualHost:
         arguments = dict(arguments or {})
         existing = self.exchanges.get(name)
         if existing is None:
-            if name.startswith("amq."):
-                raise AccessRefused(
-                    f"exchange name '{name}' contains reserved prefix 'amq.*'"
-                )
-            for key in arguments:
-                if key.startswith("x-") and key not in KNOWN_EXCHANGE_ARGUMENTS:
-                    raise PreconditionFailed(
-                        f"unsupported exchange argument '{key}' for exchange '{name}' in vhost "
-                        f"'{self.name}': this node does not implement it"
-                    )
+            self.check_new_exchange(name, type_, arguments)
             x = make_exchange(
                 type_, name, durable=durable, auto_delete=auto_delete, internal=internal, arguments=arguments
             )
@@ -129,6 +120,25 @@ class VirtualHost:
             existing.arguments,
         )
         return existing
+
+    def check_new_exchange(self, name: str, type_: str, arguments: dict[str, Any]) -> None:
+        """Refuse what a declaration of a new exchange may not ask for (before the cluster agrees on it)."""
+        if name == "":
+            raise AccessRefused("operation not permitted on the default exchange")
+        if name.startswith("amq."):
+            raise AccessRefused(f"exchange name '{name}' contains reserved prefix 'amq.*'")
+        for key in arguments:
+            if key.startswith("x-") and key not in KNOWN_EXCHANGE_ARGUMENTS:
+                raise PreconditionFailed(
+                    f"unsupported exchange argument '{key}' for exchange '{name}' in vhost "
+                    f"'{self.name}': this node does not implement it"
+                )
+        make_exchange(type_, name)  # an unknown type raises here, as it would at creation
+
+    def check_new_queue(self, name: str, arguments: dict[str, Any]) -> None:
+        if name.startswith("amq.") and not name.startswith("amq.gen-"):
+            raise AccessRefused(f"queue name '{name}' contains reserved prefix 'amq.*'")
+        parse_queue_args(arguments, name, self.name)
 
     def delete_exchange(self, name: str, if_unused: bool = False) -> None:
         if name == "" or name.startswith("amq."):

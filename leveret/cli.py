@@ -7,7 +7,7 @@ import sys
 from dataclasses import fields
 
 from leveret import __version__
-from leveret.config import HELP, ConfigError, NodeConfig, load
+from leveret.config import HELP, ConfigError, NodeConfig, load, validate
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -39,6 +39,9 @@ def build_parser() -> argparse.ArgumentParser:
     from leveret import retention
 
     retention.add_parser(sub)
+    from leveret import cluster_cli
+
+    cluster_cli.add_parser(sub)
     return parser
 
 
@@ -49,12 +52,21 @@ def main(argv: list[str] | None = None) -> int:
         from leveret import retention
 
         return retention.main(args, parser)
+    if args.command == "cluster":
+        from leveret import cluster_cli
+
+        try:
+            return cluster_cli.main(args, parser)
+        except ConfigError as exc:
+            print(f"leveret: {exc}", file=sys.stderr)
+            return 2
     if args.command != "serve":
         parser.print_help()
         return 2
     overrides = {f.name: getattr(args, f.name) for f in fields(NodeConfig)}
     try:
         config = load(args.config, overrides)
+        validate(config)
     except ConfigError as exc:
         print(f"leveret: {exc}", file=sys.stderr)
         return 2

@@ -27,6 +27,11 @@ class NodeConfig:
     memory_high_watermark: float = 0.4
     default_user: str = "guest"
     default_pass: str = "guest"
+    etcd: str = ""
+    cluster: str = "leveret"
+    region: str = ""
+    lease_ttl: int = 2
+    advertise_host: str = ""
 
     @property
     def resolved_node_id(self) -> str:
@@ -51,6 +56,12 @@ HELP = {
     "of RAM (<= 1) or bytes (> 1)",
     "default_user": "user created at start, allowed from loopback only (as RabbitMQ's guest)",
     "default_pass": "password of the default user",
+    "etcd": "comma-separated etcd endpoints (http://host:port); turns on cluster mode (needs --store postgres)",
+    "cluster": "cluster name: the etcd key prefix /leveret/<cluster>/",
+    "region": "this node's region, shown in cluster status",
+    "lease_ttl": "seconds a node's etcd lease lives without refresh; its queues move after that",
+    "advertise_host": "host other nodes and clients use to reach this node (default: --bind, or 127.0.0.1 "
+    "when binding to all addresses)",
 }
 
 
@@ -96,3 +107,13 @@ def load(config_file: str | None, overrides: dict[str, Any], environ: dict[str, 
         if value is not None:
             setattr(cfg, name, _coerce(name, kinds[name], value, "--" + name.replace("_", "-")))
     return cfg
+
+
+def validate(cfg: NodeConfig) -> None:
+    if cfg.etcd and cfg.store != "postgres":
+        raise ConfigError(
+            "cluster mode (--etcd) needs the shared Postgres store: add --store postgres --postgres-dsn DSN "
+            f"(got --store {cfg.store}); with SQLite each node would keep its own copy and a failover would lose it"
+        )
+    if cfg.lease_ttl < 1:
+        raise ConfigError(f"--lease-ttl must be at least 1 second, got {cfg.lease_ttl}")

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 
 import grpc
 
@@ -23,6 +24,8 @@ class GRPCServer:
         self.max_message = min(MAX_MESSAGE, max_message_size + 1024 * 1024)
         self.server: grpc.aio.Server | None = None
         self.port = 0
+        # More services on the same listener (the cluster's internal Node service).
+        self.extra_services: list[Callable[[grpc.aio.Server], None]] = []
 
     async def start(self, host: str, port: int) -> None:
         server = grpc.aio.server(
@@ -33,6 +36,8 @@ class GRPCServer:
             ]
         )
         pb_grpc.add_BrokerServicer_to_server(self.servicer, server)
+        for add in self.extra_services:
+            add(server)
         address = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
         try:
             bound = server.add_insecure_port(address)

@@ -8,6 +8,7 @@ import logging
 import os
 import signal
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from amqp_frontend.connection import ServerSettings
 from amqp_frontend.server import AMQPServer
@@ -18,6 +19,9 @@ from core.store import MessageStore, StoreError
 from leveret import __version__
 from leveret.config import NodeConfig
 from leveret.grpc_server import GRPCServer
+
+if TYPE_CHECKING:
+    from coordination.etcd import EtcdCluster
 
 log = logging.getLogger("leveret.node")
 
@@ -40,6 +44,7 @@ class Node:
             ),
         )
         self.grpc = GRPCServer(self.broker, config.max_message_size)
+        self.cluster: EtcdCluster | None = None
 
     def _make_store(self) -> MessageStore:
         cfg = self.config
@@ -60,13 +65,44 @@ class Node:
         await store.open()
         self.store = store
         committer = GroupCommitter(store, on_fenced=self._fenced)
-        durability = Durability(store, committer)
         self.broker.committer = committer
+        if self.config.etcd:
+            # Cluster mode: etcd holds the topology; each queue's owner loads
+            # its backlog when it takes the queue (coordination/etcd.py).
+            log.info("store opened", extra={"store": store.description, "mode": "cluster"})
+            return
+        durability = Durability(store, committer)
         queues, messages = await durability.restore(self.broker)
         log.info("store opened", extra={"store": store.description, "durable_queues": queues,
                                         "messages_restored": messages})
 
+    def _advertised(self, port: int) -> str:
+        host = self.config.advertise_host or self.config.bind
+        if host in ("0.0.0.0", "::", ""):
+            host = "127.0.0.1"
+        return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+
+    def _make_cluster(self) -> EtcdCluster:
+        from coordination.etcd import ClusterSettings, EtcdCluster
+        from core.grpc_api import internal_pb2_grpc
+
+        cfg = self.config
+        assert self.store is not None and self.broker.committer is not None
+        settings = ClusterSettings(
+            endpoints=[e for e in (part.strip() for part in cfg.etcd.split(",")) if e],
+            cluster=cfg.cluster, region=cfg.region, lease_ttl=cfg.lease_ttl, node_id=self.broker.node_id,
+            amqp_address=self._advertised(cfg.amqp_port), grpc_address=self._advertised(cfg.grpc_port),
+        )
+        cluster = EtcdCluster(self.broker, self.store, self.broker.committer, settings,
+                              on_event=self.grpc.servicer.cluster_event)
+        self.grpc.extra_services.append(lambda server: internal_pb2_grpc.add_NodeServicer_to_server(
+            cluster.service, server))
+        return cluster
+
     def _fenced(self, queues: list[tuple[str, str]]) -> None:
+        if self.cluster is not None:
+            self.cluster.fenced(queues)
+            return
         for vhost, name in queues:
             vh = self.broker.vhosts.get(vhost)
             if vh is not None:
@@ -82,8 +118,17 @@ class Node:
         gc.set_threshold(50_000, 20, 100)
         Path(self.config.data_dir).mkdir(parents=True, exist_ok=True)
         await self._open_store()
-        await self.amqp.start(self.config.bind, self.config.amqp_port)
-        await self.grpc.start(self.config.bind, self.config.grpc_port)
+        if self.config.etcd:
+            # Peers reach us over gRPC as soon as we register, and clients
+            # must not be served before the cluster's metadata is mirrored.
+            self.cluster = self._make_cluster()
+            await self.grpc.start(self.config.bind, self.config.grpc_port)
+            await self.cluster.start()
+            self.broker.cluster = self.cluster
+            await self.amqp.start(self.config.bind, self.config.amqp_port)
+        else:
+            await self.amqp.start(self.config.bind, self.config.amqp_port)
+            await self.grpc.start(self.config.bind, self.config.grpc_port)
         self._monitor = asyncio.create_task(self._watch_memory())
         log.info(
             "node started",
@@ -127,6 +172,9 @@ class Node:
     async def stop(self) -> None:
         log.info("node stopping", extra={"node": self.broker.node_id, "connections": len(self.amqp.connections)})
         self._monitor.cancel()
+        if self.cluster is not None:
+            # Hand our queues to the other nodes first, while we still serve them.
+            await self.cluster.stop(handover=True)
         await self.grpc.stop()
         await self.amqp.stop()
         if self.broker.committer is not None:

@@ -260,10 +260,16 @@ class ClusterEvent(_message.Message):
         NODE_UP: _ClassVar[ClusterEvent.Kind]
         QUEUE_CREATED: _ClassVar[ClusterEvent.Kind]
         QUEUE_DELETED: _ClassVar[ClusterEvent.Kind]
+        NODE_ADDED: _ClassVar[ClusterEvent.Kind]
+        NODE_LOST: _ClassVar[ClusterEvent.Kind]
+        QUEUE_MOVED: _ClassVar[ClusterEvent.Kind]
     KIND_UNSPECIFIED: ClusterEvent.Kind
     NODE_UP: ClusterEvent.Kind
     QUEUE_CREATED: ClusterEvent.Kind
     QUEUE_DELETED: ClusterEvent.Kind
+    NODE_ADDED: ClusterEvent.Kind
+    NODE_LOST: ClusterEvent.Kind
+    QUEUE_MOVED: ClusterEvent.Kind
     KIND_FIELD_NUMBER: _ClassVar[int]
     NODE_FIELD_NUMBER: _ClassVar[int]
     VHOST_FIELD_NUMBER: _ClassVar[int]

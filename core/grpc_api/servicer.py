@@ -262,6 +262,22 @@ class BrokerServicer(pb_grpc.BrokerServicer):
         for w in self.watchers:
             w.put_nowait(ev)
 
+    _CLUSTER_KINDS = {
+        "node-added": pb.ClusterEvent.NODE_ADDED,
+        "node-lost": pb.ClusterEvent.NODE_LOST,
+        "queue-moved": pb.ClusterEvent.QUEUE_MOVED,
+    }
+
+    def cluster_event(self, kind: str, node: str, vhost: str = "", queue: str = "") -> None:
+        """Membership and ownership changes seen by the cluster coordinator."""
+        code = self._CLUSTER_KINDS.get(kind)
+        if code is None or not self.watchers:
+            return
+        ev = pb.ClusterEvent(kind=code, node=node, vhost=vhost, queue=queue,  # type: ignore[arg-type]
+                             timestamp_ms=int(time.time() * 1000))
+        for w in self.watchers:
+            w.put_nowait(ev)
+
     def close(self) -> None:
         """Server stopping: end every watch stream."""
         for w in self.watchers:

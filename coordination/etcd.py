@@ -1,0 +1,1098 @@
+"""Cluster coordination on etcd: membership, shared metadata, queue ownership.
+
+How it follows DESIGN.md ("A cluster"):
+- Membership: the node's key lives on its lease, refreshed every TTL/4; a
+  node that cannot refresh in time stops serving its queues on its own.
+- Metadata: declarations are etcd transactions (create-if-absent, then an
+  equivalence check against what won), mirrored into every node's routing
+  table through one watch on the cluster prefix; a failed watch resyncs from
+  a snapshot, so an etcd restart or a missed event heals.
+- Ownership: the owner key sits on the owner's lease and its create revision
+  is the queue's epoch. The owner fences the store with it, loads the
+  backlog, and only then serves; every durable write is conditional on it.
+- Placement: a new durable queue goes to the live node with the fewest owned
+  queues (ties by node id), computed from the mirrored owner keys; the same
+  rule picks the successor when an owner's lease goes. Fewest-queues over
+  rendezvous hashing because it keeps nodes balanced as they join, which is
+  what an operator watches; etcd's transaction settles any race. Transient
+  and exclusive queues stay on the node whose client declared them (as
+  RabbitMQ's client-local) and go when it goes.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import functools
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import aetcd
+import grpc
+
+from coordination.keys import Layout, decode_args, dumps, encode_args, loads
+from core.broker import Broker, User
+from core.durability import QueueStorage, _restored
+from core.errors import BrokerError, NotFound, PreconditionFailed
+from core.exchange import Exchange
+from core.forwarding import LoadingGate, NodeService, NotOwner, Peers, QueueRemote
+from core.group_commit import GroupCommitter
+from core.message import QueuedMessage
+from core.queue import Queue
+from core.store import Fenced, MessageStore, StoreError
+from core.vhost import VirtualHost
+
+log = logging.getLogger("leveret.cluster")
+
+OP_TIMEOUT = 5.0
+# How long a forwarded publish or a proxied subscription waits for this node
+# to finish taking over a queue it was just given.
+OWNED_WAIT = 10.0
+
+
+class RemoteOwner:
+    """The exclusive owner of a queue declared on another node: nobody here may use it."""
+
+
+@dataclass
+class ClusterSettings:
+    endpoints: list[str]
+    cluster: str = "leveret"
+    region: str = ""
+    lease_ttl: int = 2
+    node_id: str = "leveret"
+    amqp_address: str = ""
+    grpc_address: str = ""
+
+
+@dataclass
+class NodeInfo:
+    id: str
+    amqp: str = ""
+    grpc: str = ""
+    region: str = ""
+    lease: int = 0
+    queues: int = 0
+    started: float = 0.0
+    draining: bool = False
+
+    @classmethod
+    def of(cls, value: dict[str, Any]) -> NodeInfo:
+        return cls(str(value.get("id", "")), str(value.get("amqp", "")), str(value.get("grpc", "")),
+                   str(value.get("region", "")), int(value.get("lease", 0)), int(value.get("queues", 0)),
+                   float(value.get("started", 0.0)), bool(value.get("draining", False)))
+
+
+@dataclass
+class Mirror:
+    """What this node knows of the cluster's keys."""
+
+    nodes: dict[str, NodeInfo] = field(default_factory=dict)
+    queues: dict[tuple[str, str], dict[str, Any]] = field(default_factory=dict)
+    owners: dict[tuple[str, str], tuple[str, int]] = field(default_factory=dict)  # -> (node, epoch)
+    orphaned_since: dict[tuple[str, str], float] = field(default_factory=dict)
+
+
+def _endpoint(url: str) -> tuple[str, int]:
+    text = url.strip()
+    for scheme in ("http://", "https://"):
+        if text.startswith(scheme):
+            text = text[len(scheme):]
+    text = text.rstrip("/")
+    host, _, port = text.rpartition(":")
+    if not host:
+        return text, 2379
+    return host.strip("[]"), int(port)
+
+
+class EtcdCluster:
+    """The etcd coordinator of one node (core.cluster.Cluster)."""
+
+    def __init__(
+        self,
+        broker: Broker,
+        store: MessageStore,
+        committer: GroupCommitter,
+        settings: ClusterSettings,
+        on_event: Callable[[str, str, str, str], None] | None = None,
+    ) -> None:
+        self.broker = broker
+        self.store = store
+        self.committer = committer
+        self.settings = settings
+        self.node_id = settings.node_id
+        self.keys = Layout(settings.cluster)
+        self.on_event = on_event
+        self.mirror = Mirror()
+        self.peers = Peers(self._grpc_address, self._peer_broken)
+        self.service = NodeService(broker, self.owned)
+        self.serving: dict[tuple[str, str], str] = {}  # -> "loading" | "ready"
+        self._taking: dict[tuple[str, str], asyncio.Task[None]] = {}
+        self._client: aetcd.Client | None = None
+        self._watch_client: aetcd.Client | None = None
+        self._endpoint_index = 0
+        self.lease_id = 0
+        self.lease_ok_at = 0.0
+        self.fenced_self = False
+        self._tasks: list[asyncio.Task[Any]] = []
+        self._applying = 0
+        self._stopping = False
+        self.revision = 0
+        self._synced = asyncio.Event()
+        self._bindings: dict[bytes, tuple[str, str, str, str, str, dict[str, Any]]] = {}
+        # Exclusive queues being declared here: the connection that owns each.
+        self._pending_exclusive: dict[tuple[str, str], object] = {}
+        # Set by `leveret cluster drain` and at shutdown: take no queues, give them away.
+        self.draining = False
+
+    # ================================================================ lifecycle
+    def _new_client(self, timeout: float | None) -> aetcd.Client:
+        host, port = _endpoint(self.settings.endpoints[self._endpoint_index % len(self.settings.endpoints)])
+        return aetcd.Client(host=host, port=port, timeout=timeout)
+
+    async def _connect(self, deadline: float) -> None:
+        errors: list[str] = []
+        for _ in range(len(self.settings.endpoints)):
+            client = self._new_client(OP_TIMEOUT)
+            try:
+                await asyncio.wait_for(client.connect(), OP_TIMEOUT)
+                await asyncio.wait_for(client.status(), max(0.5, min(OP_TIMEOUT, deadline - time.monotonic())))
+                self._client = client
+                self._watch_client = self._new_client(None)
+                return
+            except Exception as exc:  # noqa: BLE001 - every failure means "try the next endpoint"
+                errors.append(f"{self.settings.endpoints[self._endpoint_index % len(self.settings.endpoints)]}: "
+                              f"{type(exc).__name__} {exc}")
+                with contextlib.suppress(Exception):
+                    await client.close()
+                self._endpoint_index += 1
+        raise StoreError("cannot reach etcd at " + "; ".join(errors))
+
+    @property
+    def client(self) -> aetcd.Client:
+        assert self._client is not None
+        return self._client
+
+    async def start(self) -> None:
+        deadline = time.monotonic() + 15
+        while True:
+            try:
+                await self._connect(deadline)
+                break
+            except StoreError:
+                if time.monotonic() > deadline:
+                    raise
+                await asyncio.sleep(0.5)
+        self.peers.on_congestion = self._congestion
+        for vh in self.broker.vhosts.values():
+            vh.on_queue_deleted.append(self._local_queue_deleted)
+        await self._register()
+        await self._seed_defaults()
+        await self._resync()
+        loop = asyncio.get_running_loop()
+        self._tasks = [
+            loop.create_task(self._keepalive_loop()),
+            loop.create_task(self._watch_loop()),
+            loop.create_task(self._reconcile_loop()),
+        ]
+        log.info("joined cluster", extra={"cluster": self.settings.cluster, "node": self.node_id,
+                                           "nodes": sorted(self.mirror.nodes), "lease_ttl": self.settings.lease_ttl})
+
+    async def _register(self) -> None:
+        lease = await asyncio.wait_for(self.client.lease(self.settings.lease_ttl), OP_TIMEOUT)
+        self.lease_id = lease.id
+        self.lease_ok_at = time.monotonic()
+        self.fenced_self = False
+        await self._put_node_info()
+
+    def _node_value(self) -> bytes:
+        s = self.settings
+        return dumps({"id": self.node_id, "amqp": s.amqp_address, "grpc": s.grpc_address, "region": s.region,
+                      "lease": self.lease_id, "queues": len(self.serving), "draining": self.draining,
+                      "started": time.time()})
+
+    async def _put_node_info(self) -> None:
+        await asyncio.wait_for(self.client.put(self.keys.node(self.node_id), self._node_value(), lease=self.lease_id),
+                               OP_TIMEOUT)
+
+    async def _seed_defaults(self) -> None:
+        """The node's configured vhosts and users exist cluster-wide unless already defined there."""
+        t = self.client.transactions
+        for name in list(self.broker.vhosts):
+            key = self.keys.vhost(name)
+            await self.client.transaction(compare=[t.create(key) == 0], success=[t.put(key, dumps({}))], failure=[])
+        for user in list(self.broker.users.values()):
+            key = self.keys.user(user.name)
+            await self.client.transaction(compare=[t.create(key) == 0], success=[t.put(key, _user_value(user))],
+                                          failure=[])
+
+    async def stop(self, handover: bool = True) -> None:
+        self._stopping = True
+        if handover and not self.fenced_self:
+            with contextlib.suppress(Exception):
+                await asyncio.wait_for(self.drain(), 20)
+        for task in self._tasks:
+            task.cancel()
+        for task in list(self._taking.values()):
+            task.cancel()
+        await self.peers.close()
+        if self._client is not None and self.lease_id:
+            with contextlib.suppress(Exception):
+                await asyncio.wait_for(self.client.revoke_lease(self.lease_id), 2)
+        for client in (self._client, self._watch_client):
+            if client is not None:
+                with contextlib.suppress(Exception):
+                    await asyncio.wait_for(client.close(), 2)
+
+    # ================================================================= leases
+    async def _keepalive_loop(self) -> None:
+        ttl = self.settings.lease_ttl
+        interval = ttl / 4
+        margin = min(0.5, ttl / 4)
+        while True:
+            await asyncio.sleep(interval)
+            age = time.monotonic() - self.lease_ok_at
+            if age > ttl - margin and not self.fenced_self:
+                # Paused, or cut off from etcd: the lease may be gone and a new
+                # owner may be loading our queues. Stop serving them now; the
+                # store's epoch check makes anything still in flight fail.
+                self._fence_self(f"lease not refreshed for {age:.1f}s (ttl {ttl}s)")
+            try:
+                reply = await asyncio.wait_for(self.client.refresh_lease(self.lease_id), max(interval, 0.5))
+                alive = reply is not None and reply.TTL > 0
+            except Exception as exc:  # noqa: BLE001 - etcd unreachable: keep trying
+                log.debug("lease refresh failed", extra={"error": f"{type(exc).__name__}: {exc}"})
+                await self._reconnect_if_needed()
+                continue
+            if alive and not self.fenced_self:
+                self.lease_ok_at = time.monotonic()
+                continue
+            if not alive and not self.fenced_self:
+                self._fence_self("lease expired")
+            # A new lease, a new registration; the reconcile loop takes back
+            # what our owner keys still say is ours.
+            try:
+                if not alive:
+                    lease = await asyncio.wait_for(self.client.lease(ttl), OP_TIMEOUT)
+                    self.lease_id = lease.id
+                self.lease_ok_at = time.monotonic()
+                self.fenced_self = False
+                await self._put_node_info()
+                log.warning("rejoined the cluster", extra={"node": self.node_id, "lease": self.lease_id,
+                                                            "new_lease": not alive})
+                await self._resync()
+            except Exception as exc:  # noqa: BLE001
+                log.warning("rejoin failed; retrying", extra={"error": f"{type(exc).__name__}: {exc}"})
+
+    async def _reconnect_if_needed(self) -> None:
+        try:
+            await asyncio.wait_for(self.client.status(), 1.0)
+        except Exception:  # noqa: BLE001
+            old = self._client
+            try:
+                await self._connect(time.monotonic() + 2)
+            except StoreError:
+                return
+            if old is not None:
+                with contextlib.suppress(Exception):
+                    await old.close()
+
+    def _fence_self(self, reason: str) -> None:
+        self.fenced_self = True
+        log.error("stopping serving owned queues: " + reason,
+                  extra={"node": self.node_id, "queues": len(self.serving)})
+        for key in list(self.serving):
+            self._release(key, None)
+
+    # ================================================================ watching
+    async def _watch_loop(self) -> None:
+        while True:
+            try:
+                assert self._watch_client is not None
+                watch = await self._watch_client.watch_prefix(self.keys.prefix.encode(),
+                                                              start_revision=self.revision + 1)
+                async for event in watch:
+                    self.revision = max(self.revision, event.kv.mod_revision)
+                    self._apply_event(event.kind, event.kv.key, event.kv.value, event.kv.create_revision)
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:  # noqa: BLE001 - compaction, etcd restart: resync below
+                log.warning("etcd watch ended; resyncing", extra={"error": f"{type(exc).__name__}: {exc}"})
+            await asyncio.sleep(0.2)
+            with contextlib.suppress(Exception):
+                if self._watch_client is not None:
+                    await self._watch_client.close()
+            self._watch_client = self._new_client(None)
+            try:
+                await self._resync()
+            except Exception as exc:  # noqa: BLE001
+                log.warning("resync failed; retrying", extra={"error": f"{type(exc).__name__}: {exc}"})
+                await asyncio.sleep(0.5)
+
+    async def _resync(self) -> None:
+        """Rebuild the mirror from a snapshot and make the local state match it."""
+        snap = await asyncio.wait_for(self.client.get_prefix(self.keys.prefix.encode()), OP_TIMEOUT)
+        self.revision = snap.header.revision
+        seen_queues: set[tuple[str, str]] = set()
+        seen_owners: set[tuple[str, str]] = set()
+        seen_nodes: set[str] = set()
+        seen_exchanges: set[tuple[str, str]] = set()
+        seen_bindings: set[bytes] = set()
+        items = sorted(snap, key=lambda kv: _order(self.keys.parse(kv.key)))
+        for kv in items:
+            key = self.keys.parse(kv.key)
+            if key is None:
+                continue
+            if key.section == "queues":
+                seen_queues.add((key.parts[0], key.parts[1]))
+            elif key.section == "owners":
+                seen_owners.add((key.parts[0], key.parts[1]))
+            elif key.section == "nodes":
+                seen_nodes.add(key.parts[0])
+            elif key.section == "exchanges":
+                seen_exchanges.add((key.parts[0], key.parts[1]))
+            elif key.section == "bindings":
+                seen_bindings.add(kv.key)
+            self._apply_event("PUT", kv.key, kv.value, kv.create_revision)
+        for node in list(self.mirror.nodes):
+            if node not in seen_nodes:
+                self._apply_event("DELETE", self.keys.node(node), b"", 0)
+        for vq in list(self.mirror.owners):
+            if vq not in seen_owners:
+                self._apply_event("DELETE", self.keys.owner(*vq), b"", 0)
+        for vq in list(self.mirror.queues):
+            if vq not in seen_queues:
+                self._apply_event("DELETE", self.keys.queue(*vq), b"", 0)
+        for key_raw in list(self._bindings):
+            if key_raw not in seen_bindings:
+                self._apply_event("DELETE", key_raw, b"", 0)
+        for vname, vh in list(self.broker.vhosts.items()):
+            for xname, x in list(vh.exchanges.items()):
+                if not xname.startswith("amq.") and xname and (vname, xname) not in seen_exchanges:
+                    self._apply(functools.partial(vh._drop_exchange, x))
+        self._synced.set()
+
+    def _apply(self, fn: Callable[[], Any]) -> Any:
+        self._applying += 1
+        try:
+            return fn()
+        finally:
+            self._applying -= 1
+
+    def _apply_event(self, kind: str, raw_key: bytes, value: bytes, create_revision: int) -> None:
+        key = self.keys.parse(raw_key)
+        if key is None:
+            return
+        try:
+            put = kind == "PUT"
+            s = key.section
+            if s == "nodes":
+                self._node_event(key.parts[0], loads(value) if put else None)
+            elif s == "vhosts":
+                if put:
+                    self._vhost(key.parts[0])
+            elif s == "users":
+                if put:
+                    self._user_put(key.parts[0], loads(value))
+                else:
+                    self.broker.users.pop(key.parts[0], None)
+            elif s == "exchanges":
+                self._exchange_event(key.parts[0], key.parts[1], loads(value) if put else None)
+            elif s == "queues":
+                self._queue_event(key.parts[0], key.parts[1], loads(value) if put else None)
+            elif s == "bindings":
+                self._binding_event(raw_key, key.parts, loads(value) if put else None)
+            elif s == "owners":
+                self._owner_event((key.parts[0], key.parts[1]), value.decode() if put else None, create_revision)
+            elif s == "drain":
+                if put and key.parts[0] == self.node_id:
+                    asyncio.get_running_loop().create_task(self._drain_requested(raw_key))
+        except Exception:  # a bad key must not stop the watch
+            log.exception("cannot apply etcd event", extra={"key": raw_key.decode(errors="replace"), "kind": kind})
+
+    # -- mirrored sections -------------------------------------------------------
+    def _vhost(self, name: str) -> VirtualHost:
+        vh = self.broker.vhosts.get(name)
+        if vh is None:
+            vh = self.broker.add_vhost(name)
+            vh.on_queue_deleted.append(self._local_queue_deleted)
+        return vh
+
+    def _user_put(self, name: str, value: dict[str, Any]) -> None:
+        try:
+            user = User(name, bytes.fromhex(value["salt"]), bytes.fromhex(value["hash"]),
+                        tags=tuple(value.get("tags", ())), vhosts=set(value.get("vhosts", ())),
+                        loopback_only=bool(value.get("loopback_only", False)))
+        except (KeyError, ValueError):
+            log.warning("ignoring malformed user record in etcd", extra={"user": name})
+            return
+        self.broker.users[name] = user
+
+    def _node_event(self, node: str, value: dict[str, Any] | None) -> None:
+        known = node in self.mirror.nodes
+        if value is None:
+            if known:
+                del self.mirror.nodes[node]
+                self.peers.forget(node)
+                log.warning("node left the cluster", extra={"peer": node})
+                self._emit("node-lost", node)
+            return
+        info = NodeInfo.of(value)
+        self.mirror.nodes[node] = info
+        if not known:
+            if node != self.node_id:
+                log.info("node joined the cluster", extra={"peer": node, "region": info.region})
+            self._emit("node-added", node)
+
+    def _exchange_event(self, vhost: str, name: str, value: dict[str, Any] | None) -> None:
+        vh = self._vhost(vhost)
+        if value is None:
+            x = vh.exchanges.get(name)
+            if x is not None:
+                self._apply(lambda: vh._drop_exchange(x))
+            return
+        if name in vh.exchanges:
+            return
+        self._apply(lambda: vh.declare_exchange(
+            name, str(value["type"]), durable=bool(value.get("durable")), auto_delete=bool(value.get("auto_delete")),
+            internal=bool(value.get("internal")), arguments=decode_args(value.get("arguments", "")),
+            restoring=True))
+
+    def _queue_event(self, vhost: str, name: str, value: dict[str, Any] | None) -> None:
+        vq = (vhost, name)
+        vh = self._vhost(vhost)
+        if value is None:
+            self.mirror.queues.pop(vq, None)
+            self.mirror.orphaned_since.pop(vq, None)
+            q = vh.queues.get(name)
+            if q is not None:
+                self.serving.pop(vq, None)
+                task = self._taking.pop(vq, None)
+                if task is not None:
+                    task.cancel()
+                if q.storage is not None:
+                    # The owner removes the stored messages, in order with its other writes.
+                    storage, q.storage = q.storage, None
+                    self.committer.run(lambda: self.store.delete_queue(vhost, name))
+                    del storage
+                self._apply(functools.partial(vh._drop_queue, q))
+                self._emit("queue-deleted", self.node_id, vhost, name)
+            return
+        self.mirror.queues[vq] = value
+        if name in vh.queues:
+            return
+        exclusive = bool(value.get("exclusive"))
+        local = value.get("node") == self.node_id
+        owner_obj = self._pending_exclusive.pop(vq, None) if exclusive and local else None
+        q = self._apply(lambda: vh.declare_queue(
+            name, owner_obj if owner_obj is not None else RemoteOwner(), durable=bool(value.get("durable")),
+            exclusive=exclusive, auto_delete=bool(value.get("auto_delete")),
+            arguments=decode_args(value.get("arguments", "")), restoring=True))
+        owner = self.mirror.owners.get(vq)
+        if owner is not None and owner[0] == self.node_id:
+            self._start_takeover(vq, owner[1])
+        else:
+            self._become_remote(q, owner[0] if owner else None)
+            if owner is None and value.get("durable"):
+                self.mirror.orphaned_since.setdefault(vq, time.monotonic())
+        self._emit("queue-created", self.node_id, vhost, name)
+
+    def _binding_event(self, raw_key: bytes, parts: tuple[str, ...], value: dict[str, Any] | None) -> None:
+        if len(parts) < 5:
+            return
+        vhost, source, kind, dest = parts[0], parts[1], parts[2], parts[3]
+        vh = self._vhost(vhost)
+        if value is None:
+            entry = self._bindings.pop(raw_key, None)
+            if entry is None:
+                return
+            _, _, _, _, rk, args = entry
+            d = vh.queues.get(dest) if kind == "queue" else vh.exchanges.get(dest)
+            if d is not None:
+                self._apply(lambda: vh.unbind(source, d, rk, args))  # type: ignore[arg-type]
+            return
+        rk = str(value.get("routing_key", ""))
+        args = decode_args(value.get("arguments", ""))
+        self._bindings[raw_key] = (vhost, source, kind, dest, rk, args)
+        d2: Queue | Exchange | None = vh.queues.get(dest) if kind == "queue" else vh.exchanges.get(dest)
+        if d2 is not None and source in vh.exchanges:
+            self._apply(lambda: vh.bind(source, d2, rk, args, restoring=True))
+
+    def _owner_event(self, vq: tuple[str, str], node: str | None, epoch: int) -> None:
+        previous = self.mirror.owners.get(vq)
+        vh = self.broker.vhosts.get(vq[0])
+        q = vh.queues.get(vq[1]) if vh is not None else None
+        if node is None:
+            self.mirror.owners.pop(vq, None)
+            if previous is not None and previous[0] == self.node_id:
+                self._release(vq, None)
+            elif q is not None and q.remote is not None:
+                q.remote.set_owner(None)
+            meta = self.mirror.queues.get(vq)
+            if meta is None:
+                return
+            if meta.get("durable") and not meta.get("exclusive"):
+                self.mirror.orphaned_since[vq] = time.monotonic()
+                self._elect(vq)
+            else:
+                # Transient and exclusive queues die with their node (as in RabbitMQ).
+                asyncio.get_running_loop().create_task(self._delete_dead_queue(vq))
+            return
+        self.mirror.owners[vq] = (node, epoch)
+        self.mirror.orphaned_since.pop(vq, None)
+        if previous is not None and previous != (node, epoch) and previous[0] != node:
+            self._emit("queue-moved", node, vq[0], vq[1])
+        if q is None:
+            return
+        if node == self.node_id:
+            if self.serving.get(vq) is None or (previous is not None and previous[1] != epoch):
+                self._start_takeover(vq, epoch)
+        else:
+            if vq in self.serving:
+                self._release(vq, node)
+            elif q.remote is not None:
+                q.remote.set_owner(node)
+
+    # ================================================================ ownership
+    def _start_takeover(self, vq: tuple[str, str], epoch: int) -> None:
+        if self.fenced_self or self._stopping:
+            return
+        old = self._taking.pop(vq, None)
+        if old is not None:
+            old.cancel()
+        self.serving[vq] = "loading"
+        self._taking[vq] = asyncio.get_running_loop().create_task(self._take_over(vq, epoch))
+
+    async def _take_over(self, vq: tuple[str, str], epoch: int) -> None:
+        vh = self.broker.vhosts.get(vq[0])
+        q = vh.queues.get(vq[1]) if vh is not None else None
+        if q is None:
+            self.serving.pop(vq, None)
+            return
+        gate = LoadingGate(q, self.peers)
+        old = q.remote
+        if old is not None and not isinstance(old, LoadingGate):
+            gate._held = old.detach()
+        elif isinstance(old, LoadingGate):
+            gate._held = old.detach()
+        q.remote = gate
+        started = time.monotonic()
+        try:
+            loaded = 0
+            if q.durable and not q.exclusive:
+                # Fence first, then load: a write from a previous owner can no longer land.
+                await self.store.claim(vq[0], vq[1], epoch)
+                stored = await self.store.load_messages(vq[0], vq[1])
+                for ch in q.channels:
+                    ch.ready.clear()
+                    ch.ready_bytes = 0
+                node = self.broker.node_id
+                for sm in stored:
+                    q.restore(_restored(sm, node), sm.offset, sm.expires_at, sm.delivery_count)
+                loaded = len(stored)
+                q.storage = QueueStorage(vq[0], vq[1], self.committer, epoch)
+        except Fenced:
+            log.warning("queue taken over by a newer owner while loading", extra={"vhost": vq[0], "queue": vq[1]})
+            if q.remote is gate:
+                self._taking.pop(vq, None)
+                self.serving.pop(vq, None)
+                self._become_remote(q, None)
+            return
+        except (StoreError, asyncio.CancelledError) as exc:
+            if q.remote is gate:
+                self._taking.pop(vq, None)
+                self.serving.pop(vq, None)
+                self._become_remote(q, None)
+            if isinstance(exc, asyncio.CancelledError):
+                raise
+            log.error("cannot take the queue over (store failed); giving it up",
+                      extra={"vhost": vq[0], "queue": vq[1], "error": str(exc)})
+            await self._give_up(vq)
+            return
+        if q.remote is not gate:
+            return  # released meanwhile
+        held = gate.detach()
+        q.remote = None
+        self._taking.pop(vq, None)
+        self.serving[vq] = "ready"
+        self._flush_held(q, held)
+        q.default.dispatch()
+        log.info("serving queue", extra={"vhost": vq[0], "queue": vq[1], "epoch": epoch, "messages_loaded": loaded,
+                                         "ms": round((time.monotonic() - started) * 1000, 1)})
+
+    def _flush_held(self, q: Queue, held: list[Any]) -> None:
+        committer = self.committer
+        for message, cbs in held:
+            ok = q.enqueue(message)
+            if not cbs:
+                continue
+            if ok and q.storage is not None and message.summary.delivery_mode == 2:
+                for cb in cbs:
+                    committer.when_committed(functools.partial(_answer_committed, cb))
+            else:
+                for cb in cbs:
+                    cb(ok)
+
+    def _release(self, vq: tuple[str, str], new_owner: str | None) -> None:
+        """Stop serving a queue (lease lost, fenced, moved): its stored data stays for the next owner."""
+        self.serving.pop(vq, None)
+        task = self._taking.pop(vq, None)
+        if task is not None:
+            task.cancel()
+        vh = self.broker.vhosts.get(vq[0])
+        q = vh.queues.get(vq[1]) if vh is not None else None
+        if q is None:
+            return
+        q.storage = None
+        if not q.durable or q.exclusive:
+            # Nothing of it is stored: it cannot move, it goes.
+            self._apply(lambda: vh._drop_queue(q))  # type: ignore[union-attr]
+            return
+        for ch in q.channels:
+            ch.cancel_timers()
+            ch.ready.clear()
+            ch.ready_bytes = 0
+        self._become_remote(q, new_owner)
+        log.warning("stopped serving queue", extra={"vhost": vq[0], "queue": vq[1], "new_owner": new_owner or "-"})
+
+    def _become_remote(self, q: Queue, owner: str | None) -> None:
+        """Serve ``q`` through its owner from now on; publishes held so far follow."""
+        held = q.remote.detach() if q.remote is not None else []
+        remote = QueueRemote(q, self.peers, owner)
+        q.remote = remote
+        remote.adopt(held)
+
+    def fenced(self, queues: list[tuple[str, str]]) -> None:
+        """The store refused a batch: a newer owner holds these queues."""
+        for vq in queues:
+            if vq in self.serving:
+                owner = self.mirror.owners.get(vq)
+                self._release(vq, owner[0] if owner and owner[0] != self.node_id else None)
+
+    async def _give_up(self, vq: tuple[str, str]) -> None:
+        t = self.client.transactions
+        key = self.keys.owner(*vq)
+        with contextlib.suppress(Exception):
+            await self.client.transaction(compare=[t.value(key) == self.node_id.encode()], success=[t.delete(key)],
+                                          failure=[])
+
+    def _owned_counts(self) -> dict[str, int]:
+        counts = {node: 0 for node in self.mirror.nodes}
+        for node, _ in self.mirror.owners.values():
+            if node in counts:
+                counts[node] += 1
+        return counts
+
+    def _placement(self, exclude: str | None = None) -> NodeInfo | None:
+        counts = self._owned_counts()
+        candidates = [
+            n for n in self.mirror.nodes.values()
+            if n.id != exclude and n.lease and not n.draining and not (n.id == self.node_id and self.draining)
+        ]
+        if not candidates:
+            return None
+        return min(candidates, key=lambda n: (counts.get(n.id, 0), n.id))
+
+    def _elect(self, vq: tuple[str, str], anyone: bool = False) -> None:
+        if self.fenced_self or self._stopping or vq in self.mirror.owners:
+            return
+        chosen = self._placement()
+        if chosen is None:
+            return
+        if anyone or chosen.id == self.node_id:
+            asyncio.get_running_loop().create_task(self._acquire(vq, self.node_id, self.lease_id))
+
+    async def _acquire(self, vq: tuple[str, str], node: str, lease: int) -> bool:
+        t = self.client.transactions
+        okey = self.keys.owner(*vq)
+        qkey = self.keys.queue(*vq)
+        try:
+            ok, _ = await asyncio.wait_for(self.client.transaction(
+                compare=[t.create(okey) == 0, t.version(qkey) > 0],
+                success=[t.put(okey, node.encode(), lease=lease)], failure=[]), OP_TIMEOUT)
+        except Exception as exc:  # noqa: BLE001
+            log.warning("acquiring queue failed", extra={"vhost": vq[0], "queue": vq[1], "error": str(exc)})
+            return False
+        if ok:
+            log.info("queue assigned", extra={"vhost": vq[0], "queue": vq[1], "owner": node})
+        return bool(ok)
+
+    async def _delete_dead_queue(self, vq: tuple[str, str]) -> None:
+        t = self.client.transactions
+        qkey = self.keys.queue(*vq)
+        okey = self.keys.owner(*vq)
+        with contextlib.suppress(Exception):
+            await asyncio.wait_for(self.client.transaction(
+                compare=[t.create(okey) == 0], success=[t.delete(qkey)], failure=[]), OP_TIMEOUT)
+            await self._delete_bindings_to(vq[0], "queue", vq[1])
+
+    async def _reconcile_loop(self) -> None:
+        """Heal what events alone may miss: ownerless durable queues, owner keys not acted on."""
+        last_info = b""
+        while True:
+            await asyncio.sleep(1.0)
+            if self.fenced_self or self._stopping:
+                continue
+            now = time.monotonic()
+            for vq, meta in list(self.mirror.queues.items()):
+                owner = self.mirror.owners.get(vq)
+                if owner is None:
+                    if meta.get("durable") and not meta.get("exclusive"):
+                        since = self.mirror.orphaned_since.setdefault(vq, now)
+                        self._elect(vq, anyone=now - since > 3 * self.settings.lease_ttl)
+                    elif meta.get("node") not in self.mirror.nodes:
+                        await self._delete_dead_queue(vq)
+                elif owner[0] == self.node_id and vq not in self.serving:
+                    self._start_takeover(vq, owner[1])
+                elif owner[0] != self.node_id and owner[0] not in self.mirror.nodes:
+                    pass  # its lease is about to expire; the delete event follows
+            value = self._node_value()
+            if value.split(b'"started"')[0] != last_info:
+                last_info = value.split(b'"started"')[0]
+                with contextlib.suppress(Exception):
+                    await asyncio.wait_for(self._put_node_info(), OP_TIMEOUT)
+
+    async def owned(self, vhost: str, queue: str) -> Queue | None:
+        """The local queue when this node owns it, once loaded (waits while it is being taken over)."""
+        deadline = time.monotonic() + OWNED_WAIT
+        vq = (vhost, queue)
+        while True:
+            vh = self.broker.vhosts.get(vhost)
+            q = vh.queues.get(queue) if vh is not None else None
+            if q is not None and q.remote is None and not q.deleted and self.serving.get(vq) == "ready":
+                return q
+            state = self.serving.get(vq)
+            owner = self.mirror.owners.get(vq)
+            if state is None and owner is not None and owner[0] != self.node_id:
+                return None
+            if time.monotonic() > deadline:
+                return None
+            task = self._taking.get(vq)
+            if task is not None:
+                with contextlib.suppress(Exception):
+                    await asyncio.wait_for(asyncio.shield(task), max(0.01, deadline - time.monotonic()))
+            else:
+                await asyncio.sleep(0.01)
+
+    # ================================================================= peers
+    def _grpc_address(self, node: str) -> str | None:
+        info = self.mirror.nodes.get(node)
+        return info.grpc if info is not None and info.grpc else None
+
+    def _peer_broken(self, node: str) -> None:
+        """A stream to a peer broke: if its port refuses connections, it is dead; end its lease now."""
+        info = self.mirror.nodes.get(node)
+        if info is None or self._stopping:
+            return
+        asyncio.get_running_loop().create_task(self._probe_peer(info))
+
+    async def _probe_peer(self, info: NodeInfo) -> None:
+        host, _, port = info.grpc.rpartition(":")
+        try:
+            _, writer = await asyncio.wait_for(asyncio.open_connection(host.strip("[]"), int(port)), 1.0)
+            writer.close()
+            return  # it listens: alive (or restarted); its lease decides
+        except (OSError, TimeoutError, ValueError):
+            pass
+        current = self.mirror.nodes.get(info.id)
+        if current is None or current.lease != info.lease:
+            return
+        # Its process is gone (the port refuses connections): revoking its
+        # lease starts the failover now instead of at the lease's expiry. If
+        # it was only restarting, the epoch fencing keeps its writes out.
+        log.warning("peer unreachable and not listening: revoking its lease", extra={"peer": info.id})
+        with contextlib.suppress(Exception):
+            await asyncio.wait_for(self.client.revoke_lease(info.lease), OP_TIMEOUT)
+
+    def _congestion(self, congested: bool) -> None:
+        self.broker.set_forward_congestion(congested)
+
+    # ============================================================ graceful moves
+    async def _drain_requested(self, raw_key: bytes) -> None:
+        with contextlib.suppress(Exception):
+            await self.client.delete(raw_key)
+        await self.drain()
+
+    async def drain(self) -> int:
+        """Hand every durable queue this node owns to the others (SIGTERM, `leveret cluster drain`)."""
+        self.draining = True
+        with contextlib.suppress(Exception):
+            await asyncio.wait_for(self._put_node_info(), OP_TIMEOUT)
+        moved = 0
+        for vq in sorted(self.serving):
+            vh = self.broker.vhosts.get(vq[0])
+            q = vh.queues.get(vq[1]) if vh is not None else None
+            if q is None or not q.durable or q.exclusive:
+                continue
+            target = self._placement(exclude=self.node_id)
+            if target is None:
+                log.warning("no other node to hand queues to", extra={"queues": len(self.serving)})
+                break
+            if await self._hand_over(vq, q, target):
+                moved += 1
+        if moved:
+            log.info("queues handed over", extra={"node": self.node_id, "moved": moved})
+        return moved
+
+    async def _hand_over(self, vq: tuple[str, str], q: Queue, target: NodeInfo) -> bool:
+        # Hold new publishes, let what is committed-pending reach the store,
+        # then give the key to the target (a new key: a new, higher epoch).
+        gate = LoadingGate(q, self.peers)
+        q.remote = gate
+        self.serving[vq] = "moving"
+        try:
+            await asyncio.wait_for(self.committer.drain(), 10)
+        except TimeoutError:
+            pass
+        t = self.client.transactions
+        okey = self.keys.owner(*vq)
+        try:
+            ok, _ = await asyncio.wait_for(self.client.transaction(
+                compare=[t.value(okey) == self.node_id.encode()], success=[t.delete(okey)], failure=[]), OP_TIMEOUT)
+        except Exception:  # noqa: BLE001
+            ok = False
+        if not ok:
+            q.remote = None
+            self.serving[vq] = "ready"
+            self._flush_held(q, gate.detach())
+            return False
+        # Our own delete event releases the queue; a lost race to another
+        # node is fine, someone owns it.
+        self.mirror.owners.pop(vq, None)
+        self._release(vq, None)  # the gate's held publishes follow to the next owner
+        await self._acquire(vq, target.id, target.lease)
+        return True
+
+    # ============================================================== metadata API
+    def _emit(self, kind: str, node: str, vhost: str = "", queue: str = "") -> None:
+        if self.on_event is not None:
+            self.on_event(kind, node, vhost, queue)
+
+    async def _txn(self, compare: list[Any], success: list[Any], failure: list[Any] | None = None) -> tuple[bool, Any]:
+        try:
+            return await asyncio.wait_for(self.client.transaction(compare=compare, success=success,
+                                                                  failure=failure or []), OP_TIMEOUT)
+        except (aetcd.exceptions.ClientError, grpc.aio.AioRpcError, TimeoutError, ConnectionError) as exc:
+            raise ClusterUnavailable(f"cluster metadata store (etcd) unavailable: {exc}") from exc
+
+    async def declare_exchange(
+        self, vhost: VirtualHost, name: str, type_: str, durable: bool, auto_delete: bool, internal: bool,
+        arguments: dict[str, Any],
+    ) -> None:
+        if name in vhost.exchanges:
+            return  # the local mirror decides equivalence
+        vhost.check_new_exchange(name, type_, arguments)
+        key = self.keys.exchange(vhost.name, name)
+        value = dumps({"type": type_, "durable": durable, "auto_delete": auto_delete, "internal": internal,
+                       "arguments": encode_args(arguments)})
+        t = self.client.transactions
+        ok, responses = await self._txn([t.create(key) == 0], [t.put(key, value)], [t.get(key)])
+        stored = loads(value) if ok else _first_value(responses)
+        if stored is not None:
+            self._exchange_event(vhost.name, name, stored)
+
+    async def delete_exchange(self, vhost: VirtualHost, name: str, if_unused: bool) -> None:
+        x = vhost.exchanges.get(name)
+        if x is None:
+            return
+        if if_unused and x.bindings:
+            raise PreconditionFailed(f"exchange '{name}' in vhost '{vhost.name}' in use")
+        t = self.client.transactions
+        await self._txn([], [t.delete(self.keys.exchange(vhost.name, name))])
+        await self._delete_bindings_from(vhost.name, name)
+        await self._delete_bindings_to(vhost.name, "exchange", name)
+        self._exchange_event(vhost.name, name, None)
+
+    async def declare_queue(
+        self, vhost: VirtualHost, name: str, owner: object, durable: bool, exclusive: bool, auto_delete: bool,
+        arguments: dict[str, Any],
+    ) -> None:
+        if name in vhost.queues:
+            return  # the local declare checks equivalence and exclusivity
+        vhost.check_new_queue(name, arguments)
+        key = self.keys.queue(vhost.name, name)
+        okey = self.keys.owner(vhost.name, name)
+        moving = durable and not exclusive
+        target = self._placement() if moving else self.mirror.nodes.get(self.node_id)
+        if target is None or not target.lease:
+            raise ClusterUnavailable("no live node in the cluster to own the queue")
+        value = dumps({"durable": durable, "exclusive": exclusive, "auto_delete": auto_delete,
+                       "arguments": encode_args(arguments), "node": self.node_id})
+        t = self.client.transactions
+        if exclusive:
+            self._pending_exclusive[(vhost.name, name)] = owner
+        for _ in range(3):
+            ok, responses = await self._txn(
+                [t.create(key) == 0, t.create(okey) == 0],
+                [t.put(key, value), t.put(okey, target.id.encode(), lease=target.lease)],
+                [t.get(key)],
+            )
+            if ok:
+                # Mirror it now rather than at the watch event, so the next
+                # method of this client already finds the queue and its owner.
+                epoch = 0
+                with contextlib.suppress(Exception):
+                    kv = await asyncio.wait_for(self.client.get(okey), OP_TIMEOUT)
+                    if kv is not None and kv.value == target.id.encode():
+                        epoch = kv.create_revision
+                if epoch:
+                    self.mirror.owners.setdefault((vhost.name, name), (target.id, epoch))
+                self._queue_event(vhost.name, name, loads(value))
+                if epoch:
+                    self._owner_event((vhost.name, name), target.id, epoch)
+                return
+            stored = _first_value(responses)
+            if stored is not None:
+                self._pending_exclusive.pop((vhost.name, name), None)
+                self._queue_event(vhost.name, name, stored)
+                return
+            # The owner key exists without the queue key (a leftover): clear it and retry.
+            await self._txn([t.version(key) == 0], [t.delete(okey)])
+        raise ClusterUnavailable(f"cannot declare queue '{name}': the cluster metadata keeps changing")
+
+    async def delete_queue(self, vhost: VirtualHost, name: str, owner: object, if_unused: bool, if_empty: bool) -> int:
+        q = vhost.queues.get(name)
+        if q is None:
+            return 0
+        vhost.get_queue(name, owner)  # 405 for an exclusive queue of another connection
+        messages, consumers = await self.counts(q)
+        if if_unused and consumers:
+            raise PreconditionFailed(f"queue '{name}' in vhost '{vhost.name}' in use")
+        if if_empty and messages:
+            raise PreconditionFailed(f"queue '{name}' in vhost '{vhost.name}' not empty")
+        vq = (vhost.name, name)
+        owner_entry = self.mirror.owners.get(vq)
+        t = self.client.transactions
+        await self._txn([], [t.delete(self.keys.queue(*vq)), t.delete(self.keys.owner(*vq))])
+        await self._delete_bindings_to(vhost.name, "queue", name)
+        if owner_entry is None and q.durable:
+            # Nobody serves it: remove its stored messages here.
+            with contextlib.suppress(StoreError):
+                await self.store.delete_queue(*vq)
+        self._queue_event(vhost.name, name, None)
+        return messages
+
+    def _local_queue_deleted(self, q: Queue) -> None:
+        """The core dropped a queue itself (auto-delete, x-expires, exclusive owner gone): tell the cluster."""
+        if self._applying or self._stopping:
+            return
+        vq = (q.vhost, q.name)
+        if vq not in self.mirror.queues:
+            return
+        self.mirror.queues.pop(vq, None)
+        self.serving.pop(vq, None)
+
+        async def remove() -> None:
+            t = self.client.transactions
+            with contextlib.suppress(Exception):
+                await self._txn([], [t.delete(self.keys.queue(*vq)), t.delete(self.keys.owner(*vq))])
+                await self._delete_bindings_to(vq[0], "queue", vq[1])
+
+        asyncio.get_running_loop().create_task(remove())
+
+    async def _delete_bindings_from(self, vhost: str, source: str) -> None:
+        with contextlib.suppress(Exception):
+            await asyncio.wait_for(self.client.delete_prefix(self.keys.bindings_from(vhost, source)), OP_TIMEOUT)
+
+    async def _delete_bindings_to(self, vhost: str, kind: str, dest: str) -> None:
+        doomed = [k for k, (v, _, bkind, d, _, _) in self._bindings.items()
+                  if v == vhost and bkind == kind and d == dest]
+        if not doomed:
+            return
+        t = self.client.transactions
+        with contextlib.suppress(Exception):
+            await self._txn([], [t.delete(k) for k in doomed])
+
+    async def bind(
+        self, vhost: VirtualHost, source: str, kind: str, destination: str, routing_key: str,
+        arguments: dict[str, Any], add: bool,
+    ) -> None:
+        key = self.keys.binding(vhost.name, source, kind, destination, routing_key, arguments)
+        t = self.client.transactions
+        if add:
+            value = dumps({"routing_key": routing_key, "arguments": encode_args(arguments)})
+            skey = self.keys.exchange(vhost.name, source)
+            dkey = self.keys.queue(vhost.name, destination) if kind == "queue" else self.keys.exchange(
+                vhost.name, destination)
+            compare = []
+            # Standard exchanges (amq.*) are not in etcd; every node has them.
+            if not source.startswith("amq."):
+                compare.append(t.version(skey) > 0)
+            if kind == "queue" or not destination.startswith("amq."):
+                compare.append(t.version(dkey) > 0)
+            ok, _ = await self._txn(compare, [t.put(key, value)])
+            if not ok:
+                raise NotFound(f"no exchange '{source}' or {kind} '{destination}' in vhost '{vhost.name}'")
+            self._binding_event(key, (vhost.name, source, kind, destination, "x"), loads(value))
+        else:
+            await self._txn([], [t.delete(key)])
+            self._binding_event(key, (vhost.name, source, kind, destination, "x"), None)
+
+    # ========================================================== owner operations
+    def _link_for(self, q: Queue) -> Any:
+        remote = q.remote
+        if remote is None or remote.link is None or remote.link.closed:
+            raise NotOwner(f"queue '{q.name}' in vhost '{q.vhost}' has no reachable owner right now; retry")
+        return remote.link
+
+    async def counts(self, queue: Queue) -> tuple[int, int]:
+        if queue.remote is None:
+            return queue.message_count, queue.consumer_count
+        try:
+            link = self._link_for(queue)
+            await link.barrier()
+            messages, consumers = await link.stats(queue.vhost, queue.name)
+        except (BrokerError, grpc.aio.AioRpcError, TimeoutError):
+            return queue.message_count, queue.consumer_count
+        return messages, consumers
+
+    async def purge(self, queue: Queue) -> int:
+        if queue.remote is None:
+            return queue.purge()
+        try:
+            link = self._link_for(queue)
+            await link.barrier()
+            return await link.purge(queue.vhost, queue.name)
+        except grpc.aio.AioRpcError as exc:
+            raise NotOwner(f"purge of '{queue.name}' failed at its owner: {exc.details()}") from exc
+
+    async def get(self, queue: Queue, no_ack: bool) -> tuple[QueuedMessage | None, int]:
+        if queue.remote is None:
+            qm = queue.default.get(no_ack)
+            return qm, len(queue.default.ready)
+        link = self._link_for(queue)
+        await link.barrier()
+        result: tuple[QueuedMessage | None, int] = await link.get(queue.vhost, queue.name, no_ack)
+        return result
+
+
+class ClusterUnavailable(BrokerError):
+    code = 541  # internal error class: the client sees a clear text and may retry
+
+
+def _answer_committed(cb: Callable[[bool], None], error: BaseException | None) -> None:
+    cb(error is None)
+
+
+def _first_value(responses: Any) -> dict[str, Any] | None:
+    for r in responses or ():
+        if isinstance(r, list) and r:
+            value, _meta = r[0]
+            return loads(value)
+    return None
+
+
+def _user_value(user: User) -> bytes:
+    return dumps({"salt": user.salt.hex(), "hash": user.password_hash.hex(), "tags": list(user.tags),
+                  "vhosts": sorted(user.vhosts), "loopback_only": user.loopback_only})
+
+
+_SECTION_ORDER = {"nodes": 0, "vhosts": 1, "users": 2, "exchanges": 3, "queues": 4, "owners": 5, "bindings": 6,
+                  "drain": 7}
+
+
+def _order(key: Any) -> int:
+    return _SECTION_ORDER.get(key.section, 9) if key is not None else 10

@@ -1,0 +1,834 @@
+"""Inter-node forwarding of a cluster (DESIGN.md, "A cluster").
+
+Every node routes every publish. A queue owned by another node is a ``Queue``
+whose ``remote`` is a ``QueueRemote``: its ``enqueue`` forwards the message
+over the internal gRPC stream (``leveret.internal.v1.Node/Forward``, batched
+per event-loop turn) and the publisher's confirm waits for the owner's answer,
+which comes after the owner committed. Consumers of such a queue attach to its
+default channel as usual; the ``QueueRemote`` keeps one proxied subscription
+on the owner (``Node/Session``) whose window is the sum of the local
+consumers' prefetch, and settles there what they settle here.
+
+``NodeService`` is the owner's side of both streams.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import TYPE_CHECKING, Any
+
+import grpc
+
+from core.errors import BrokerError, NotFound
+from core.grpc_api import internal_pb2 as pb
+from core.grpc_api import internal_pb2_grpc as pb_grpc
+from core.message import Message, QueuedMessage
+from core.queue import Consumer, QueueChannel
+
+if TYPE_CHECKING:
+    from core.broker import Broker
+    from core.queue import Queue
+
+log = logging.getLogger("leveret.cluster")
+
+Forwarded = Callable[[bool], None]  # True: the owner accepted (and committed) the message
+
+# A proxied subscription never asks the owner for more than this many
+# unacked messages, whatever the local prefetch (0 = unlimited) says.
+MAX_WINDOW = 2000
+NO_LIMIT_WINDOW = 1000
+# Publishes forwarded and not answered yet, per peer: past this the node
+# stops reading from publishers (flow control), as for the memory alarm.
+FORWARD_HIGH_WATER = 32 * 1024 * 1024
+# How long a publish to a queue without a live owner waits for one.
+OWNERLESS_TIMEOUT = 15.0
+GRPC_OPTIONS = [
+    ("grpc.max_receive_message_length", 256 * 1024 * 1024),
+    ("grpc.max_send_message_length", 256 * 1024 * 1024),
+    ("grpc.keepalive_time_ms", 5000),
+    ("grpc.keepalive_timeout_ms", 5000),
+    ("grpc.keepalive_permit_without_calls", 1),
+    ("grpc.http2.max_pings_without_data", 0),
+]
+
+
+class NotOwner(NotFound):
+    """The queue's owner cannot be reached (RabbitMQ: 404, "home node ... is down or inaccessible")."""
+
+
+class ProxiedMessage(QueuedMessage):
+    """A message a non-owner node holds for its local consumers; the owner keeps it unacked."""
+
+    __slots__ = ("link", "remote_id", "reject", "sub")
+
+    def __init__(self, message: Message, offset: int, link: PeerLink, remote_id: int, sub: int) -> None:
+        super().__init__(message, offset)
+        self.link = link
+        self.remote_id = remote_id
+        self.reject = False
+        self.sub = sub
+
+
+def _message_of(d: pb.ProxiedDelivery | pb.ForwardedMessage, node: str) -> Message:
+    m = Message(d.exchange, d.routing_key, d.properties, d.body, node=node)
+    if d.message_id:
+        m.id = d.message_id
+    if d.timestamp:
+        m.timestamp = d.timestamp
+    return m
+
+
+# ============================================================== non-owner side
+class PeerLink:
+    """This node's streams to one peer node: forwarded publishes and a session."""
+
+    def __init__(self, node_id: str, address: str, on_broken: Callable[[PeerLink], None]) -> None:
+        self.node_id = node_id
+        self.address = address
+        self._on_broken = on_broken
+        self.channel = grpc.aio.insecure_channel(address, options=GRPC_OPTIONS)
+        self.stub = pb_grpc.NodeStub(self.channel)
+        self.closed = False
+        # -- forward
+        self._seq = itertools.count(1)
+        self._batch: list[pb.ForwardedMessage] = []
+        self._batch_bytes = 0
+        self._batch_cbs: list[tuple[int, Forwarded]] = []
+        self._inflight: dict[int, tuple[list[tuple[int, Forwarded]], int, int]] = {}
+        self.inflight_bytes = 0
+        self._forward_q: asyncio.Queue[pb.ForwardBatch | None] | None = None
+        self._forward_task: asyncio.Task[None] | None = None
+        self._flush_scheduled = False
+        self.on_congestion: Callable[[bool], None] | None = None
+        self.congested = False
+        self._barriers: list[tuple[int, asyncio.Future[None]]] = []
+        # -- session
+        self._sub_ids = itertools.count(1)
+        self.subscriptions: dict[int, QueueRemote] = {}
+        self._control_q: asyncio.Queue[pb.SessionControl | None] | None = None
+        self._session_task: asyncio.Task[None] | None = None
+        self._acks: list[int] = []
+        self._rejects: list[int] = []
+        self._settle_scheduled = False
+        self._gets: dict[int, asyncio.Future[tuple[ProxiedMessage | None, int]]] = {}
+
+    # -- forwarding publishes ---------------------------------------------------
+    def forward(self, vhost: str, queue: str, message: Message) -> None:
+        self._batch.append(
+            pb.ForwardedMessage(
+                vhost=vhost, queue=queue, exchange=message.exchange, routing_key=message.routing_key,
+                properties=message.props, body=message.body, message_id=message.id, timestamp=message.timestamp,
+            )
+        )
+        self._batch_bytes += len(message.body)
+        if not self._flush_scheduled:
+            self._flush_scheduled = True
+            asyncio.get_running_loop().call_soon(self._flush)
+
+    def when_forwarded(self, done: Forwarded) -> None:
+        """``done`` gets the owner's answer for the message forwarded last."""
+        self._batch_cbs.append((len(self._batch) - 1, done))
+
+    def _flush(self) -> None:
+        self._flush_scheduled = False
+        if not self._batch:
+            return
+        if self.closed:
+            self._fail(self._batch_cbs, len(self._batch))
+            self._batch, self._batch_cbs, self._batch_bytes = [], [], 0
+            return
+        seq = next(self._seq)
+        batch = pb.ForwardBatch(seq=seq, messages=self._batch)
+        self._inflight[seq] = (self._batch_cbs, len(self._batch), self._batch_bytes)
+        self.inflight_bytes += self._batch_bytes
+        self._batch, self._batch_cbs, self._batch_bytes = [], [], 0
+        if self._forward_q is None:
+            self._forward_q = asyncio.Queue()
+            self._forward_task = asyncio.get_running_loop().create_task(self._forward_loop(self._forward_q))
+        self._forward_q.put_nowait(batch)
+        if self.inflight_bytes > FORWARD_HIGH_WATER and not self.congested:
+            self._set_congested(True)
+
+    async def barrier(self) -> None:
+        """Wait until everything forwarded so far was answered by the owner.
+
+        basic.get, queue.purge and counts go over another stream; a client
+        that publishes and then gets must see its message, as it would on
+        the owner (RabbitMQ keeps that order between a channel and a queue).
+        """
+        if self._batch:
+            self._flush()
+        if not self._inflight:
+            return
+        fut: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        self._barriers.append((max(self._inflight), fut))
+        await asyncio.wait_for(fut, 10)
+
+    def _release_barriers(self, upto: int | None) -> None:
+        keep = []
+        for target, fut in self._barriers:
+            if upto is None or target <= upto:
+                if not fut.done():
+                    fut.set_result(None)
+            else:
+                keep.append((target, fut))
+        self._barriers = keep
+
+    def _set_congested(self, value: bool) -> None:
+        self.congested = value
+        if self.on_congestion is not None:
+            self.on_congestion(value)
+
+    @staticmethod
+    def _fail(cbs: list[tuple[int, Forwarded]], _count: int) -> None:
+        for _, cb in cbs:
+            cb(False)
+
+    async def _forward_loop(self, q: asyncio.Queue[pb.ForwardBatch | None]) -> None:
+        async def requests() -> AsyncIterator[pb.ForwardBatch]:
+            while (batch := await q.get()) is not None:
+                yield batch
+
+        try:
+            call = self.stub.Forward(requests())
+            async for result in call:
+                entry = self._inflight.pop(result.seq, None)
+                if entry is None:
+                    continue
+                cbs, count, size = entry
+                self.inflight_bytes -= size
+                if self.congested and self.inflight_bytes < FORWARD_HIGH_WATER // 2:
+                    self._set_congested(False)
+                accepted = result.accepted
+                for index, cb in cbs:
+                    cb(not result.error and index < len(accepted) and accepted[index])
+                if self._barriers:
+                    self._release_barriers(result.seq)
+        except (grpc.aio.AioRpcError, asyncio.CancelledError) as exc:
+            if isinstance(exc, asyncio.CancelledError):
+                raise
+            log.warning("forward stream to peer lost", extra={"peer": self.node_id, "error": str(exc.details())})
+        finally:
+            # The owner's answer for these never came: they may or may not be
+            # committed there, so the publishers get a nack (never a false ack).
+            inflight, self._inflight = self._inflight, {}
+            self.inflight_bytes = 0
+            self._release_barriers(None)
+            for cbs, count, _ in inflight.values():
+                self._fail(cbs, count)
+            if self._forward_q is q:
+                self._forward_q = None
+                self._forward_task = None
+            if self.congested:
+                self._set_congested(False)
+        if not self.closed:
+            self._on_broken(self)
+
+    # -- proxied subscriptions ----------------------------------------------------
+    def _control(self, msg: pb.SessionControl) -> None:
+        if self.closed:
+            return
+        if self._control_q is None:
+            self._control_q = asyncio.Queue()
+            self._session_task = asyncio.get_running_loop().create_task(self._session_loop(self._control_q))
+        self._control_q.put_nowait(msg)
+
+    def subscribe(self, remote: QueueRemote, window: int) -> int:
+        sub = next(self._sub_ids)
+        self.subscriptions[sub] = remote
+        self._control(pb.SessionControl(kind=pb.SessionControl.SUBSCRIBE, sub=sub, vhost=remote.queue.vhost,
+                                        queue=remote.queue.name, window=window))
+        return sub
+
+    def set_window(self, sub: int, window: int) -> None:
+        self._control(pb.SessionControl(kind=pb.SessionControl.WINDOW, sub=sub, window=window))
+
+    def unsubscribe(self, sub: int) -> None:
+        if self.subscriptions.pop(sub, None) is not None:
+            self._control(pb.SessionControl(kind=pb.SessionControl.UNSUBSCRIBE, sub=sub))
+
+    def settle(self, qm: QueuedMessage) -> None:
+        assert isinstance(qm, ProxiedMessage)
+        if qm.link is not self or self.closed:
+            return  # delivered by an earlier session: the owner requeued it already
+        (self._rejects if qm.reject else self._acks).append(qm.remote_id)
+        if not self._settle_scheduled:
+            self._settle_scheduled = True
+            asyncio.get_running_loop().call_soon(self._flush_settlements)
+
+    def reject_next(self, qm: QueuedMessage) -> None:
+        """The coming ``settle`` of ``qm`` is a reject without requeue."""
+        assert isinstance(qm, ProxiedMessage)
+        qm.reject = True
+
+    def requeue(self, ids: list[int]) -> None:
+        if ids:
+            self._control(pb.SessionControl(kind=pb.SessionControl.REQUEUE, ids=ids))
+
+    def _flush_settlements(self) -> None:
+        self._settle_scheduled = False
+        if self._acks:
+            self._control(pb.SessionControl(kind=pb.SessionControl.ACK, ids=self._acks))
+            self._acks = []
+        if self._rejects:
+            self._control(pb.SessionControl(kind=pb.SessionControl.REJECT, ids=self._rejects))
+            self._rejects = []
+
+    async def get(self, vhost: str, queue: str, no_ack: bool) -> tuple[ProxiedMessage | None, int]:
+        req = next(self._sub_ids)
+        fut: asyncio.Future[tuple[ProxiedMessage | None, int]] = asyncio.get_running_loop().create_future()
+        self._gets[req] = fut
+        self._control(pb.SessionControl(kind=pb.SessionControl.GET, sub=req, vhost=vhost, queue=queue,
+                                        no_ack=no_ack))
+        if self.closed:
+            raise NotOwner(f"node {self.node_id} is gone")
+        return await asyncio.wait_for(fut, timeout=10)
+
+    async def _session_loop(self, q: asyncio.Queue[pb.SessionControl | None]) -> None:
+        async def requests() -> AsyncIterator[pb.SessionControl]:
+            while (msg := await q.get()) is not None:
+                yield msg
+
+        try:
+            call = self.stub.Session(requests())
+            async for event in call:
+                self._on_event(event)
+        except grpc.aio.AioRpcError as exc:
+            log.warning("session stream to peer lost", extra={"peer": self.node_id, "error": str(exc.details())})
+        finally:
+            if self._control_q is q:
+                self._control_q = None
+                self._session_task = None
+            subs, self.subscriptions = self.subscriptions, {}
+            for fut in self._gets.values():
+                if not fut.done():
+                    fut.set_exception(NotOwner(f"node {self.node_id} is gone"))
+            self._gets.clear()
+            self._acks, self._rejects = [], []
+            # Everything this session held unacked goes back to the owner's
+            # queue (the owner requeues it when the stream ends); the local
+            # copies are stale.
+            self.closed = True
+            for remote in subs.values():
+                remote.session_lost(self)
+        self._on_broken(self)
+
+    def _on_event(self, event: pb.SessionEvent) -> None:
+        kind = event.kind
+        if kind == pb.SessionEvent.DELIVERIES:
+            remote = self.subscriptions.get(event.sub)
+            if remote is None:
+                self.requeue([d.id for d in event.deliveries])
+                return
+            remote.deliveries(self, event.sub, event.deliveries)
+        elif kind == pb.SessionEvent.CANCELLED:
+            remote = self.subscriptions.pop(event.sub, None)
+            if remote is not None:
+                remote.subscription_cancelled(self, event.sub, event.reason)
+        elif kind in (pb.SessionEvent.GET_OK, pb.SessionEvent.GET_EMPTY, pb.SessionEvent.ERROR):
+            fut = self._gets.pop(event.sub, None)
+            if fut is None or fut.done():
+                return
+            if kind == pb.SessionEvent.ERROR:
+                fut.set_exception(_error_of(event.code, event.reason))
+            elif kind == pb.SessionEvent.GET_EMPTY:
+                fut.set_result((None, 0))
+            else:
+                d = event.deliveries[0]
+                qm = ProxiedMessage(_message_of(d, self.node_id), d.offset, self, d.id, 0)
+                qm.redelivered = d.redelivered
+                qm.delivery_count = d.delivery_count
+                fut.set_result((qm, event.remaining))
+
+    async def purge(self, vhost: str, queue: str) -> int:
+        result = await self.stub.Purge(pb.QueueRef(vhost=vhost, queue=queue), timeout=10)
+        return int(result.purged)
+
+    async def stats(self, vhost: str, queue: str) -> tuple[int, int]:
+        result = await self.stub.Stats(pb.QueueRef(vhost=vhost, queue=queue), timeout=10)
+        return int(result.messages), int(result.consumers)
+
+    async def close(self) -> None:
+        self.closed = True
+        if self._forward_q is not None:
+            self._forward_q.put_nowait(None)
+        if self._control_q is not None:
+            self._control_q.put_nowait(None)
+        for task in (self._forward_task, self._session_task):
+            if task is not None:
+                task.cancel()
+        await self.channel.close()
+
+
+def _error_of(code: int, reason: str) -> BrokerError:
+    return NotFound(reason) if code == 404 else NotOwner(reason)
+
+
+class QueueRemote:
+    """A queue another node owns, as this node sees it: forward publishes, proxy consumers."""
+
+    def __init__(self, queue: Queue, peers: Peers, owner: str | None) -> None:
+        self.queue = queue
+        self.peers = peers
+        self.owner: str | None = None
+        self.link: PeerLink | None = None
+        self.sub = 0
+        self.window = 0
+        # Publishes waiting for an owner: [message, callbacks].
+        self._held: list[tuple[Message, list[Forwarded]]] = []
+        self._held_timer: asyncio.TimerHandle | None = None
+        self._last_held = False
+        self.detached = False
+        self.set_owner(owner)
+
+    # -- publishes --------------------------------------------------------------
+    def forward(self, message: Message) -> None:
+        link = self.link
+        if link is not None and not link.closed:
+            link.forward(self.queue.vhost, self.queue.name, message)
+            self._last_held = False
+            return
+        self._held.append((message, []))
+        self._last_held = True
+        if self._held_timer is None:
+            self._held_timer = asyncio.get_running_loop().call_later(OWNERLESS_TIMEOUT, self._held_expired)
+
+    def when_forwarded(self, done: Forwarded) -> None:
+        if self._last_held:
+            self._held[-1][1].append(done)
+        elif self.link is not None:
+            self.link.when_forwarded(done)
+
+    def _held_expired(self) -> None:
+        self._held_timer = None
+        held, self._held = self._held, []
+        if held:
+            log.warning("no owner for queue: publishes refused",
+                        extra={"vhost": self.queue.vhost, "queue": self.queue.name, "messages": len(held)})
+        for _, cbs in held:
+            for cb in cbs:
+                cb(False)
+
+    def _release_held(self) -> None:
+        if self._held_timer is not None:
+            self._held_timer.cancel()
+            self._held_timer = None
+        held, self._held = self._held, []
+        self._last_held = False
+        for message, cbs in held:
+            self.forward(message)
+            for cb in cbs:
+                self.when_forwarded(cb)
+
+    # -- ownership ----------------------------------------------------------------
+    def set_owner(self, owner: str | None) -> None:
+        """The owner changed (None: being taken over): move the proxy to it."""
+        if owner == self.owner and self.link is not None and not self.link.closed:
+            return
+        self._drop_subscription()
+        self.owner = owner
+        self.link = self.peers.link(owner) if owner is not None else None
+        if self.link is not None:
+            self._release_held()
+            self.consumers_changed(self.queue.default)
+
+    def adopt(self, held: list[tuple[Message, list[Forwarded]]]) -> None:
+        """Publishes an earlier stand-in held: send them on (or hold them here)."""
+        if not held:
+            return
+        self._held.extend(held)
+        if self.link is not None and not self.link.closed:
+            self._release_held()
+        elif self._held_timer is None:
+            self._held_timer = asyncio.get_running_loop().call_later(OWNERLESS_TIMEOUT, self._held_expired)
+
+    def detach(self) -> list[tuple[Message, list[Forwarded]]]:
+        """This node takes the queue over: stop proxying, hand back what waits for an owner."""
+        self.detached = True
+        self._drop_subscription()
+        if self._held_timer is not None:
+            self._held_timer.cancel()
+            self._held_timer = None
+        held, self._held = self._held, []
+        return held
+
+    def _drop_subscription(self) -> None:
+        link, sub = self.link, self.sub
+        self.sub = 0
+        self.window = 0
+        if link is not None and sub:
+            # Ready copies from this subscription go back to the owner; the
+            # local ready list then holds nothing of the old owner.
+            back = self._take_ready(lambda qm: qm.link is link)
+            link.requeue(back)
+            link.unsubscribe(sub)
+
+    def _take_ready(self, which: Callable[[QueuedMessage], bool]) -> list[int]:
+        qch = self.queue.default
+        keep: list[QueuedMessage] = []
+        ids: list[int] = []
+        for qm in qch.ready:
+            if isinstance(qm, ProxiedMessage) and which(qm):
+                ids.append(qm.remote_id)
+                qch.ready_bytes -= len(qm.message.body)
+            else:
+                keep.append(qm)
+        if ids:
+            qch.ready.clear()
+            for qm in keep:
+                qch.ready.append(qm)
+        return ids
+
+    # -- proxied consumers ----------------------------------------------------------
+    def consumers_changed(self, qch: QueueChannel) -> None:
+        if qch is not self.queue.default or self.detached:
+            return
+        window = 0
+        for c in qch.consumers:
+            window += NO_LIMIT_WINDOW if c.no_ack or not c.prefetch else c.prefetch
+        window = min(window, MAX_WINDOW)
+        link = self.link
+        if link is None or link.closed:
+            return
+        if window == 0:
+            if self.sub:
+                self._drop_subscription()
+            return
+        if not self.sub:
+            self.window = window
+            self.sub = link.subscribe(self, window)
+        elif window != self.window:
+            self.window = window
+            link.set_window(self.sub, window)
+
+    def deliveries(self, link: PeerLink, sub: int, deliveries: Any) -> None:
+        if link is not self.link or sub != self.sub:
+            link.requeue([d.id for d in deliveries])
+            return
+        qch = self.queue.default
+        node = link.node_id
+        for d in deliveries:
+            qm = ProxiedMessage(_message_of(d, node), d.offset, link, d.id, sub)
+            qm.redelivered = d.redelivered
+            qm.delivery_count = d.delivery_count
+            qch.push(qm)
+
+    def subscription_cancelled(self, link: PeerLink, sub: int, reason: str) -> None:
+        if link is self.link and sub == self.sub:
+            self.sub = 0
+            self._take_ready(lambda qm: qm.link is link)
+            log.info("proxied subscription ended by the owner",
+                     extra={"vhost": self.queue.vhost, "queue": self.queue.name, "reason": reason})
+
+    def session_lost(self, link: PeerLink) -> None:
+        """The owner's session broke: its deliveries here are stale (the owner or its successor redelivers)."""
+        if link is not self.link:
+            return
+        self.sub = 0
+        self._take_ready(lambda qm: qm.link is link)
+        self.link = None  # a new link is made when the owner is known again
+
+
+class LoadingGate(QueueRemote):
+    """This node is taking the queue over: hold publishes until the backlog is loaded."""
+
+    def __init__(self, queue: Queue, peers: Peers) -> None:
+        super().__init__(queue, peers, None)
+
+    def set_owner(self, owner: str | None) -> None:
+        self.owner = owner
+
+    def consumers_changed(self, qch: QueueChannel) -> None:
+        return
+
+
+# ================================================================== peers
+class Peers:
+    """Links to the other nodes, by node id, made on first use."""
+
+    def __init__(self, address_of: Callable[[str], str | None], on_broken: Callable[[str], None]) -> None:
+        self._address_of = address_of
+        self._on_broken = on_broken
+        self.links: dict[str, PeerLink] = {}
+        self.on_congestion: Callable[[bool], None] | None = None
+
+    def link(self, node_id: str) -> PeerLink | None:
+        link = self.links.get(node_id)
+        if link is not None and not link.closed:
+            return link
+        address = self._address_of(node_id)
+        if address is None:
+            return None
+        link = PeerLink(node_id, address, self._broken)
+        link.on_congestion = self.on_congestion
+        self.links[node_id] = link
+        return link
+
+    def _broken(self, link: PeerLink) -> None:
+        link.closed = True
+        if self.links.get(link.node_id) is link:
+            del self.links[link.node_id]
+            asyncio.get_running_loop().create_task(link.close())
+            self._on_broken(link.node_id)
+
+    def forget(self, node_id: str) -> None:
+        link = self.links.pop(node_id, None)
+        if link is not None:
+            link.closed = True
+            asyncio.get_running_loop().create_task(link.close())
+
+    async def close(self) -> None:
+        links, self.links = list(self.links.values()), {}
+        for link in links:
+            await link.close()
+
+
+# ====================================================================== owner side
+OwnedQueue = Callable[[str, str], Awaitable["Queue | None"]]
+
+
+class _OwnerSession:
+    """One peer's session on this node: its proxied consumers and their unacked deliveries."""
+
+    def __init__(self, broker: Broker, owned: OwnedQueue, out: asyncio.Queue[pb.SessionEvent | None]) -> None:
+        self.broker = broker
+        self.owned = owned
+        self.out = out
+        self.ids = itertools.count(1)
+        self.consumers: dict[int, Consumer] = {}
+        self.sub_of: dict[int, int] = {}  # id(consumer) -> sub
+        self.unacked: dict[int, tuple[QueuedMessage, Consumer | None, QueueChannel]] = {}
+        self._pending: dict[int, list[pb.ProxiedDelivery]] = {}
+        self._flush_scheduled = False
+
+    # ConsumerSink
+    def has_credit(self, consumer: Consumer) -> bool:
+        return consumer.unacked < consumer.prefetch
+
+    def deliver(self, consumer: Consumer, qm: QueuedMessage) -> None:
+        did = next(self.ids)
+        self.unacked[did] = (qm, consumer, consumer.channel)
+        m = qm.message
+        sub = self.sub_of[id(consumer)]
+        self._pending.setdefault(sub, []).append(
+            pb.ProxiedDelivery(
+                id=did, offset=qm.offset, exchange=m.exchange, routing_key=m.routing_key, properties=m.props,
+                body=m.body, message_id=m.id, timestamp=m.timestamp, redelivered=qm.redelivered,
+                delivery_count=qm.delivery_count,
+            )
+        )
+        if not self._flush_scheduled:
+            self._flush_scheduled = True
+            asyncio.get_running_loop().call_soon(self._flush)
+
+    def consumer_cancelled(self, consumer: Consumer) -> None:
+        sub = self.sub_of.pop(id(consumer), None)
+        if sub is None:
+            return
+        self.consumers.pop(sub, None)
+        self._flush()
+        self.out.put_nowait(pb.SessionEvent(kind=pb.SessionEvent.CANCELLED, sub=sub, reason="queue gone or moved"))
+
+    def _flush(self) -> None:
+        self._flush_scheduled = False
+        pending, self._pending = self._pending, {}
+        for sub, deliveries in pending.items():
+            self.out.put_nowait(pb.SessionEvent(kind=pb.SessionEvent.DELIVERIES, sub=sub, deliveries=deliveries))
+
+    # controls
+    async def handle(self, c: pb.SessionControl) -> None:
+        kind = c.kind
+        if kind == pb.SessionControl.ACK:
+            self._settle(c.ids, "ack")
+        elif kind == pb.SessionControl.REQUEUE:
+            self._settle(c.ids, "requeue")
+        elif kind == pb.SessionControl.REJECT:
+            self._settle(c.ids, "reject")
+        elif kind == pb.SessionControl.SUBSCRIBE:
+            q = await self.owned(c.vhost, c.queue)
+            if q is None:
+                self.out.put_nowait(pb.SessionEvent(kind=pb.SessionEvent.CANCELLED, sub=c.sub,
+                                                    reason="not the owner of this queue"))
+                return
+            consumer = Consumer(f"proxy-{c.sub}", q.default, self, no_ack=False, prefetch=max(1, c.window))
+            self.consumers[c.sub] = consumer
+            self.sub_of[id(consumer)] = c.sub
+            try:
+                q.default.add_consumer(consumer)
+            except BrokerError as exc:
+                self.consumers.pop(c.sub, None)
+                self.sub_of.pop(id(consumer), None)
+                self.out.put_nowait(pb.SessionEvent(kind=pb.SessionEvent.CANCELLED, sub=c.sub, reason=str(exc)))
+        elif kind == pb.SessionControl.WINDOW:
+            current = self.consumers.get(c.sub)
+            if current is not None:
+                current.prefetch = max(1, c.window)
+                current.channel.dispatch()
+        elif kind == pb.SessionControl.UNSUBSCRIBE:
+            gone = self.consumers.pop(c.sub, None)
+            if gone is not None:
+                self.sub_of.pop(id(gone), None)
+                gone.channel.remove_consumer(gone)
+        elif kind == pb.SessionControl.GET:
+            await self._get(c)
+
+    async def _get(self, c: pb.SessionControl) -> None:
+        q = await self.owned(c.vhost, c.queue)
+        if q is None:
+            self.out.put_nowait(pb.SessionEvent(kind=pb.SessionEvent.ERROR, sub=c.sub, code=320,
+                                                reason="not the owner of this queue"))
+            return
+        q.touch()
+        qch = q.default
+        qm = qch.get(c.no_ack)
+        if qm is None:
+            self.out.put_nowait(pb.SessionEvent(kind=pb.SessionEvent.GET_EMPTY, sub=c.sub))
+            return
+        did = next(self.ids)
+        if not c.no_ack:
+            self.unacked[did] = (qm, None, qch)
+        m = qm.message
+        d = pb.ProxiedDelivery(
+            id=did, offset=qm.offset, exchange=m.exchange, routing_key=m.routing_key, properties=m.props, body=m.body,
+            message_id=m.id, timestamp=m.timestamp, redelivered=qm.redelivered, delivery_count=qm.delivery_count,
+        )
+        self.out.put_nowait(pb.SessionEvent(kind=pb.SessionEvent.GET_OK, sub=c.sub, deliveries=[d],
+                                            remaining=len(qch.ready)))
+
+    def _settle(self, ids: Any, how: str) -> None:
+        touched: dict[int, tuple[QueueChannel, list[tuple[QueuedMessage, Consumer | None]]]] = {}
+        for did in ids:
+            entry = self.unacked.pop(did, None)
+            if entry is None:
+                continue
+            qm, consumer, qch = entry
+            if qch.queue.deleted or qch.queue.remote is not None:
+                continue  # the queue moved away: its new owner redelivers from the store
+            if how == "ack":
+                qch.settle(qm, consumer)
+                touched.setdefault(id(qch), (qch, []))
+            else:
+                touched.setdefault(id(qch), (qch, []))[1].append((qm, consumer))
+        for qch, items in touched.values():
+            if how == "requeue":
+                qch.requeue(items)
+            elif how == "reject":
+                qch.discard(items)
+            else:
+                qch.dispatch()
+
+    def close(self) -> None:
+        for consumer in list(self.consumers.values()):
+            consumer.channel.remove_consumer(consumer)
+        self.consumers.clear()
+        self.sub_of.clear()
+        entries = list(self.unacked.values())
+        self.unacked.clear()
+        groups: dict[int, tuple[QueueChannel, list[tuple[QueuedMessage, Consumer | None]]]] = {}
+        for qm, holder, qch in entries:
+            if qch.queue.deleted or qch.queue.remote is not None:
+                continue
+            groups.setdefault(id(qch), (qch, []))[1].append((qm, holder))
+        for qch, items in groups.values():
+            qch.requeue(items)
+
+
+class NodeService(pb_grpc.NodeServicer):
+    """The owner's side of forwarding and proxied subscriptions."""
+
+    def __init__(self, broker: Broker, owned: OwnedQueue) -> None:
+        self.broker = broker
+        self.owned = owned
+
+    async def _enqueue_batch(self, batch: pb.ForwardBatch) -> asyncio.Future[pb.ForwardResult]:
+        loop = asyncio.get_running_loop()
+        fut: asyncio.Future[pb.ForwardResult] = loop.create_future()
+        accepted: list[bool] = []
+        stored = False
+        node = self.broker.node_id
+        queues: dict[tuple[str, str], Queue | None] = {}
+        for fm in batch.messages:
+            key = (fm.vhost, fm.queue)
+            if key not in queues:
+                queues[key] = await self.owned(fm.vhost, fm.queue)
+            q = queues[key]
+            if q is None or q.remote is not None or q.deleted:
+                accepted.append(False)
+                continue
+            message = _message_of(fm, node)
+            ok = q.enqueue(message)
+            accepted.append(ok)
+            if ok and q.storage is not None and message.summary.delivery_mode == 2:
+                stored = True
+        result = pb.ForwardResult(seq=batch.seq, accepted=accepted)
+        committer = self.broker.committer
+        if stored and committer is not None:
+            def committed(error: BaseException | None) -> None:
+                if error is not None:
+                    result.error = f"store: {error}"
+                if not fut.done():
+                    fut.set_result(result)
+
+            committer.when_committed(committed)
+        else:
+            fut.set_result(result)
+        return fut
+
+    async def Forward(  # noqa: N802 - gRPC method name
+        self, request_iterator: AsyncIterator[pb.ForwardBatch], context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[pb.ForwardResult]:
+        results: asyncio.Queue[asyncio.Future[pb.ForwardResult] | None] = asyncio.Queue()
+
+        async def read() -> None:
+            try:
+                async for batch in request_iterator:
+                    results.put_nowait(await self._enqueue_batch(batch))
+            finally:
+                results.put_nowait(None)
+
+        reader = asyncio.get_running_loop().create_task(read())
+        try:
+            while (fut := await results.get()) is not None:
+                yield await fut
+        finally:
+            reader.cancel()
+
+    async def Session(  # noqa: N802
+        self, request_iterator: AsyncIterator[pb.SessionControl], context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[pb.SessionEvent]:
+        out: asyncio.Queue[pb.SessionEvent | None] = asyncio.Queue()
+        session = _OwnerSession(self.broker, self.owned, out)
+
+        async def read() -> None:
+            try:
+                async for control in request_iterator:
+                    await session.handle(control)
+            except Exception:  # a broken peer ends its session, never the node
+                log.exception("session control failed")
+            finally:
+                out.put_nowait(None)
+
+        reader = asyncio.get_running_loop().create_task(read())
+        try:
+            while (event := await out.get()) is not None:
+                yield event
+        finally:
+            reader.cancel()
+            session.close()
+
+    async def Purge(self, request: pb.QueueRef, context: grpc.aio.ServicerContext) -> pb.PurgeResult:  # noqa: N802
+        q = await self.owned(request.vhost, request.queue)
+        if q is None:
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, "not the owner of this queue")
+            raise AssertionError("unreachable")
+        return pb.PurgeResult(purged=q.purge())
+
+    async def Stats(self, request: pb.QueueRef, context: grpc.aio.ServicerContext) -> pb.QueueStats:  # noqa: N802
+        q = await self.owned(request.vhost, request.queue)
+        if q is None:
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, "not the owner of this queue")
+            raise AssertionError("unreachable")
+        return pb.QueueStats(messages=q.message_count, consumers=q.consumer_count)

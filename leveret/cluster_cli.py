@@ -1,0 +1,144 @@
+"""``leveret cluster status|drain``: read and steer a cluster through etcd."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import sys
+from typing import Any
+
+from coordination.keys import Layout, loads
+
+
+def add_parser(sub: Any) -> None:
+    p = sub.add_parser("cluster", help="inspect or steer a cluster (etcd)",
+                       description="Inspect or steer a Leveret cluster through its etcd metadata.")
+    csub = p.add_subparsers(dest="cluster_command", metavar="ACTION")
+    for name, text in (("status", "print nodes, regions, queue counts and owners"),
+                       ("drain", "ask a live node to hand its queues to the others")):
+        a = csub.add_parser(name, help=text, description=text)
+        a.add_argument("--etcd", default=None, help="etcd endpoints (env LEVERET_ETCD)")
+        a.add_argument("--cluster", default=None, help="cluster name (env LEVERET_CLUSTER, default leveret)")
+        a.add_argument("--config", default=None, help="TOML config file, as for serve")
+        if name == "status":
+            a.add_argument("--json", action="store_true", help="print JSON")
+        else:
+            a.add_argument("node", help="node id, as in `leveret cluster status`")
+            a.add_argument("--wait", type=float, default=30.0, help="seconds to wait until it owns no queue")
+
+
+def _settings(args: argparse.Namespace) -> tuple[list[str], str]:
+    from leveret.config import load
+
+    cfg = load(args.config, {"etcd": args.etcd, "cluster": args.cluster})
+    endpoints = [e.strip() for e in cfg.etcd.split(",") if e.strip()]
+    if not endpoints:
+        raise SystemExit("leveret cluster: give --etcd ENDPOINTS (or LEVERET_ETCD)")
+    return endpoints, cfg.cluster
+
+
+async def _client(endpoints: list[str]) -> Any:
+    import aetcd
+
+    from coordination.etcd import _endpoint
+
+    errors = []
+    for url in endpoints:
+        host, port = _endpoint(url)
+        client = aetcd.Client(host=host, port=port, timeout=5)
+        try:
+            await asyncio.wait_for(client.status(), 5)
+            return client
+        except Exception as exc:  # noqa: BLE001
+            errors.append(f"{url}: {exc}")
+            await client.close()
+    raise SystemExit("leveret cluster: cannot reach etcd: " + "; ".join(errors))
+
+
+async def snapshot(endpoints: list[str], cluster: str) -> dict[str, Any]:
+    layout = Layout(cluster)
+    client = await _client(endpoints)
+    try:
+        items = await client.get_prefix(layout.prefix.encode())
+    finally:
+        await client.close()
+    nodes: dict[str, dict[str, Any]] = {}
+    queues: dict[tuple[str, str], dict[str, Any]] = {}
+    owners: dict[tuple[str, str], tuple[str, int]] = {}
+    for kv in items:
+        key = layout.parse(kv.key)
+        if key is None:
+            continue
+        if key.section == "nodes":
+            nodes[key.parts[0]] = loads(kv.value)
+        elif key.section == "queues":
+            queues[(key.parts[0], key.parts[1])] = loads(kv.value)
+        elif key.section == "owners":
+            owners[(key.parts[0], key.parts[1])] = (kv.value.decode(), kv.create_revision)
+    counts = {n: 0 for n in nodes}
+    for node, _ in owners.values():
+        counts[node] = counts.get(node, 0) + 1
+    return {
+        "nodes": [
+            {"id": n, "region": v.get("region", ""), "amqp": v.get("amqp", ""), "grpc": v.get("grpc", ""),
+             "queues": counts.get(n, 0), "draining": bool(v.get("draining", False))}
+            for n, v in sorted(nodes.items())
+        ],
+        "queues": [
+            {"vhost": vq[0], "name": vq[1], "owner": owners.get(vq, ("", 0))[0] or None,
+             "epoch": owners.get(vq, ("", 0))[1], "durable": bool(meta.get("durable")),
+             "exclusive": bool(meta.get("exclusive"))}
+            for vq, meta in sorted(queues.items())
+        ],
+    }
+
+
+def _print_table(snap: dict[str, Any]) -> None:
+    print(f"{'node':<24} {'region':<12} {'amqp':<22} {'grpc':<22} queues")
+    for n in snap["nodes"]:
+        flag = " (draining)" if n["draining"] else ""
+        print(f"{n['id']:<24} {n['region'] or '-':<12} {n['amqp']:<22} {n['grpc']:<22} {n['queues']}{flag}")
+    print()
+    print(f"{'vhost':<10} {'queue':<32} {'owner':<24} {'epoch':>8} durable")
+    for q in snap["queues"]:
+        print(f"{q['vhost']:<10} {q['name']:<32} {q['owner'] or '(none)':<24} {q['epoch']:>8} "
+              f"{'yes' if q['durable'] else 'no'}")
+
+
+async def drain(endpoints: list[str], cluster: str, node: str, wait: float) -> int:
+    layout = Layout(cluster)
+    client = await _client(endpoints)
+    try:
+        if await client.get(layout.node(node)) is None:
+            print(f"leveret cluster drain: no live node {node!r} in cluster {cluster!r}", file=sys.stderr)
+            return 1
+        await client.put(layout.drain(node), b"{}")
+    finally:
+        await client.close()
+    deadline = asyncio.get_running_loop().time() + wait
+    while True:
+        snap = await snapshot(endpoints, cluster)
+        left = [q for q in snap["queues"] if q["owner"] == node and q["durable"] and not q["exclusive"]]
+        if not left:
+            print(f"node {node} owns no durable queue now")
+            return 0
+        if asyncio.get_running_loop().time() > deadline:
+            print(f"node {node} still owns {len(left)} queue(s) after {wait:.0f}s", file=sys.stderr)
+            return 1
+        await asyncio.sleep(0.5)
+
+
+def main(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
+    if args.cluster_command not in ("status", "drain"):
+        parser.parse_args(["cluster", "--help"])
+        return 2
+    endpoints, cluster = _settings(args)
+    if args.cluster_command == "status":
+        snap = asyncio.run(snapshot(endpoints, cluster))
+        if args.json:
+            print(json.dumps(snap, indent=2))
+        else:
+            _print_table(snap)
+        return 0
+    return asyncio.run(drain(endpoints, cluster, args.node, args.wait))
