@@ -259,6 +259,15 @@ class PeerLink:
             self._settle_scheduled = True
             asyncio.get_running_loop().call_soon(self._flush_settlements)
 
+    def keeps(self, qm: QueuedMessage) -> bool:
+        """May a requeued ``qm`` wait in the local ready list (its subscription still runs)?"""
+        return not self.closed and getattr(qm, "sub", 0) in self.subscriptions
+
+    def give_back(self, qm: QueuedMessage) -> None:
+        assert isinstance(qm, ProxiedMessage)
+        if qm.link is self and not self.closed:
+            self.requeue([qm.remote_id])
+
     def reject_next(self, qm: QueuedMessage) -> None:
         """The coming ``settle`` of ``qm`` is a reject without requeue."""
         assert isinstance(qm, ProxiedMessage)

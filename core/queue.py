@@ -272,6 +272,9 @@ class QueueChannel:
                 # Gone, or delivered while this node owned a queue it no longer
                 # does: the new owner redelivers it from the store.
                 continue
+            if qm.link is not None and not qm.link.keeps(qm):
+                qm.link.give_back(qm)  # its proxied subscription ended: the owner requeues it
+                continue
             qm.redelivered = True
             back.append(qm)
             self.ready_bytes += len(qm.message.body)

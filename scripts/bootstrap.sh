@@ -21,6 +21,9 @@ missing=""
 [ -x /usr/bin/java ] || missing="$missing openjdk-17-jre-headless"
 [ -f /usr/share/java/postgresql.jar ] || missing="$missing libpostgresql-jdbc-java"
 [ -f /usr/share/java/sqlite-jdbc.jar ] || missing="$missing libxerial-sqlite-jdbc-java"
+# etcd for cluster mode (--etcd): the cluster tests start throwaway servers; etcdctl reads the keys.
+[ -x /usr/bin/etcd ] || missing="$missing etcd-server"
+[ -x /usr/bin/etcdctl ] || missing="$missing etcd-client"
 if [ -n "$missing" ]; then
     if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
         echo "bootstrap: installing Debian packages:$missing"
@@ -28,6 +31,11 @@ if [ -n "$missing" ]; then
         mkdir -p /etc/postgresql-common
         grep -qs '^create_main_cluster *= *false' /etc/postgresql-common/createcluster.conf \
             || echo 'create_main_cluster = false' >> /etc/postgresql-common/createcluster.conf
+        # Nor do we want etcd (or anything) started as a service: tests start their own.
+        if [ ! -e /usr/sbin/policy-rc.d ]; then
+            printf '#!/bin/sh\nexit 101\n' > /usr/sbin/policy-rc.d && chmod +x /usr/sbin/policy-rc.d
+            trap 'rm -f /usr/sbin/policy-rc.d' EXIT
+        fi
         apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq $missing >/dev/null
     else
         echo "bootstrap: please install:$missing (as root: apt-get install$missing)" >&2; exit 1

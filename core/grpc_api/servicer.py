@@ -12,6 +12,7 @@ on the queue with a topic filter; the queue's default channel (id
 from __future__ import annotations
 
 import asyncio
+import functools
 import hashlib
 import itertools
 import logging
@@ -348,6 +349,10 @@ class BrokerServicer(pb_grpc.BrokerServicer):
                 arguments["x-max-length"] = request.max_length
             if request.message_ttl_ms:
                 arguments["x-message-ttl"] = request.message_ttl_ms
+            cluster = self.broker.cluster
+            if cluster is not None:
+                await cluster.declare_queue(vh, request.name, GRPC_OWNER, request.durable, False,
+                                            request.auto_delete, arguments)
             q = vh.declare_queue(
                 request.name, GRPC_OWNER, durable=request.durable, auto_delete=request.auto_delete,
                 arguments=arguments,
@@ -359,7 +364,11 @@ class BrokerServicer(pb_grpc.BrokerServicer):
         async with _errors(context):
             _, vh = self._login(context)
             self._queue(vh, request.name)  # NOT_FOUND for a missing queue, unlike AMQP
-            n = vh.delete_queue(request.name, GRPC_OWNER, if_unused=request.if_unused, if_empty=request.if_empty)
+            cluster = self.broker.cluster
+            if cluster is not None:
+                n = await cluster.delete_queue(vh, request.name, GRPC_OWNER, request.if_unused, request.if_empty)
+            else:
+                n = vh.delete_queue(request.name, GRPC_OWNER, if_unused=request.if_unused, if_empty=request.if_empty)
             return pb.DeleteQueueResponse(messages_dropped=n)
         raise AssertionError("unreachable")
 
@@ -406,8 +415,10 @@ class BrokerServicer(pb_grpc.BrokerServicer):
         raise AssertionError("unreachable")
 
     # -- push --------------------------------------------------------------------
-    def _push(self, user: User, q: Queue, req: pb.PushRequest) -> tuple[Message, int, bool]:
-        """Enqueue one pushed message: (message, offset, waits for the store)."""
+    def _push(
+        self, user: User, q: Queue, req: pb.PushRequest
+    ) -> tuple[Message, int, bool, asyncio.Future[bool] | None]:
+        """Enqueue one pushed message: (message, offset, waits for the store, the owner's answer)."""
         persistent = req.persistent if req.HasField("persistent") else q.durable
         if len(req.properties):
             props = encode_properties(dict(req.properties), persistent)
@@ -422,7 +433,19 @@ class BrokerServicer(pb_grpc.BrokerServicer):
         offset = q.next_offset
         if not q.enqueue(message):
             raise ApiError(grpc.StatusCode.RESOURCE_EXHAUSTED, f"queue '{q.name}' is full (x-overflow)")
-        return message, offset, q.storage is not None and summary.delivery_mode == 2
+        if q.remote is not None:
+            # Cluster: another node owns the queue; the answer comes after its commit.
+            # The offset is the owner's to give: 0 here (docs/CLUSTER.md).
+            answer: asyncio.Future[bool] = asyncio.get_running_loop().create_future()
+            q.remote.when_forwarded(functools.partial(_resolve, answer))
+            return message, 0, False, answer
+        return message, offset, q.storage is not None and summary.delivery_mode == 2, None
+
+    @staticmethod
+    async def _owners_answered(answers: list[asyncio.Future[bool]]) -> None:
+        for ok in await asyncio.gather(*answers):
+            if not ok:
+                raise ApiError(grpc.StatusCode.UNAVAILABLE, "the queue's owner did not accept the message; retry")
 
     async def _committed(self) -> None:
         committer = self.broker.committer
@@ -442,9 +465,11 @@ class BrokerServicer(pb_grpc.BrokerServicer):
         async with _errors(context):
             user, vh = self._login(context)
             q = self._queue(vh, request.queue)
-            message, offset, stored = self._push(user, q, request)
+            message, offset, stored, answer = self._push(user, q, request)
             if stored:
                 await self._committed()
+            if answer is not None:
+                await self._owners_answered([answer])
             return pb.PushResponse(id=message.id, offset=offset)
         raise AssertionError("unreachable")
 
@@ -455,17 +480,22 @@ class BrokerServicer(pb_grpc.BrokerServicer):
             response = pb.PushBatchResponse()
             add = response.results.add
             any_stored = False
+            answers: list[asyncio.Future[bool]] = []
             push = self._push
             for i, req in enumerate(request.messages):
                 try:
-                    message, offset, stored = push(user, q, req)
+                    message, offset, stored, answer = push(user, q, req)
                 except ApiError as exc:
                     exc.details += f" (message {i} of the batch; the {i} before it were pushed)"
                     raise
                 add(id=message.id, offset=offset)
                 any_stored = any_stored or stored
+                if answer is not None:
+                    answers.append(answer)
             if any_stored:
                 await self._committed()
+            if answers:
+                await self._owners_answered(answers)
             return response
         raise AssertionError("unreachable")
 
@@ -553,6 +583,11 @@ class BrokerServicer(pb_grpc.BrokerServicer):
                 yield ev
         finally:
             self.watchers.remove(events)
+
+
+def _resolve(answer: asyncio.Future[bool], ok: bool) -> None:
+    if not answer.done():
+        answer.set_result(ok)
 
 
 def _peer_host(peer: str) -> str | None:

@@ -1,0 +1,171 @@
+"""Inter-node forwarding (core/forwarding.py) between two in-process brokers over real gRPC.
+
+No etcd here: the test plays the coordinator, giving node A a remote view of
+a queue node B owns. The cluster as a whole is tested with processes in
+compat_tests/test_cluster.py.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+from typing import Any
+
+import grpc
+import pytest
+
+from core import properties
+from core.broker import Broker
+from core.forwarding import NodeService, Peers, QueueRemote
+from core.grpc_api import internal_pb2_grpc
+from core.message import Message, QueuedMessage
+from core.queue import Consumer, Queue
+
+PERSISTENT = properties.encode({"delivery_mode": 2})
+TRANSIENT = properties.encode({})
+
+
+class Sink:
+    """A consumer's receiving end that records deliveries and has a prefetch."""
+
+    def __init__(self, prefetch: int = 0) -> None:
+        self.prefetch = prefetch
+        self.got: list[QueuedMessage] = []
+        self.cancelled = False
+
+    def has_credit(self, consumer: Consumer) -> bool:
+        return not self.prefetch or consumer.unacked < self.prefetch
+
+    def deliver(self, consumer: Consumer, qm: QueuedMessage) -> None:
+        self.got.append(qm)
+
+    def consumer_cancelled(self, consumer: Consumer) -> None:
+        self.cancelled = True
+
+
+async def _owned_by(broker: Broker) -> Any:
+    async def owned(vhost: str, queue: str) -> Queue | None:
+        q = broker.vhosts[vhost].queues.get(queue)
+        return q if q is not None and q.remote is None else None
+
+    return owned
+
+
+@pytest.fixture
+async def pair() -> AsyncIterator[tuple[Broker, Broker, Queue, Queue, Peers]]:
+    owner = Broker(node_id="b")
+    other = Broker(node_id="a")
+    q_owner = owner.vhosts["/"].declare_queue("q", None, durable=True)
+    q_remote = other.vhosts["/"].declare_queue("q", None, durable=True)
+    server = grpc.aio.server()
+    internal_pb2_grpc.add_NodeServicer_to_server(NodeService(owner, await _owned_by(owner)), server)
+    port = server.add_insecure_port("127.0.0.1:0")
+    await server.start()
+    broken: list[str] = []
+    peers = Peers(lambda node: f"127.0.0.1:{port}" if node == "b" else None, broken.append)
+    q_remote.remote = QueueRemote(q_remote, peers, "b")
+    try:
+        yield owner, other, q_owner, q_remote, peers
+    finally:
+        await peers.close()
+        await server.stop(0)
+
+
+async def _until(predicate: Any, timeout: float = 5.0) -> None:
+    deadline = asyncio.get_running_loop().time() + timeout
+    while not predicate():
+        if asyncio.get_running_loop().time() > deadline:
+            raise AssertionError("condition not reached in time")
+        await asyncio.sleep(0.01)
+
+
+async def test_forwarded_publishes_reach_the_owner_in_order_and_are_answered(pair: Any) -> None:
+    _, _, q_owner, q_remote, _ = pair
+    answers: list[bool] = []
+    for i in range(50):
+        assert q_remote.enqueue(Message("", "q", PERSISTENT, f"m{i}".encode()))
+        q_remote.remote.when_forwarded(answers.append)
+    await _until(lambda: len(answers) == 50)
+    assert answers == [True] * 50
+    assert [qm.message.body for qm in q_owner.default.ready] == [f"m{i}".encode() for i in range(50)]
+    assert q_remote.message_count == 0  # nothing is kept on the forwarding node
+
+
+async def test_owner_refusal_is_a_negative_answer(pair: Any) -> None:
+    owner, _, _, q_remote, _ = pair
+    full = owner.vhosts["/"].declare_queue(
+        "full", None, arguments={"x-max-length": 1, "x-overflow": "reject-publish"}
+    )
+    assert full.enqueue(Message("", "full", TRANSIENT, b"first"))
+    remote_full = pair[1].vhosts["/"].declare_queue("full", None, arguments=dict(full.arguments))
+    remote_full.remote = QueueRemote(remote_full, pair[4], "b")
+    answers: list[bool] = []
+    remote_full.enqueue(Message("", "full", TRANSIENT, b"second"))
+    remote_full.remote.when_forwarded(answers.append)
+    await _until(lambda: answers)
+    assert answers == [False]
+
+
+async def test_proxied_consumer_honours_prefetch_and_settles_at_the_owner(pair: Any) -> None:
+    _, _, q_owner, q_remote, _ = pair
+    for i in range(10):
+        q_owner.enqueue(Message("", "q", PERSISTENT, f"m{i}".encode()))
+    sink = Sink(prefetch=3)
+    consumer = Consumer("c1", q_remote.default, sink, no_ack=False, prefetch=3)
+    q_remote.default.add_consumer(consumer)
+    await _until(lambda: len(sink.got) == 3)
+    await asyncio.sleep(0.1)
+    assert len(sink.got) == 3  # the window is the local prefetch: no more arrive
+    assert q_owner.default.unacked == 3
+    # Ack two, reject one without requeue: the owner settles all three.
+    for qm in sink.got[:2]:
+        q_remote.default.settle(qm, consumer)
+    q_remote.default.discard([(sink.got[2], consumer)])
+    await _until(lambda: len(sink.got) == 6)
+    await _until(lambda: q_owner.default.unacked == 3 and len(q_owner.default.ready) == 4)
+    # The consumer goes away, then its three unacked are requeued (as a closing
+    # AMQP channel does): with no subscription left, they go back to the owner.
+    q_remote.default.remove_consumer(consumer)
+    q_remote.default.requeue([(qm, consumer) for qm in sink.got[3:6]])
+    assert len(q_remote.default.ready) == 0
+    await _until(lambda: q_owner.default.unacked == 0 and len(q_owner.default.ready) == 7)
+    bodies = [qm.message.body for qm in q_owner.default.ready]
+    assert bodies == [f"m{i}".encode() for i in range(3, 10)]  # order kept, requeued in place
+
+
+async def test_session_end_requeues_everything_it_held(pair: Any) -> None:
+    _, _, q_owner, q_remote, peers = pair
+    for i in range(5):
+        q_owner.enqueue(Message("", "q", PERSISTENT, f"m{i}".encode()))
+    sink = Sink()
+    q_remote.default.add_consumer(Consumer("c1", q_remote.default, sink, no_ack=False))
+    await _until(lambda: len(sink.got) == 5)
+    assert q_owner.default.unacked == 5
+    await peers.close()  # the non-owner node goes away
+    await _until(lambda: q_owner.default.unacked == 0 and len(q_owner.default.ready) == 5)
+    assert all(qm.redelivered for qm in q_owner.default.ready)
+
+
+async def test_publishes_wait_for_an_owner_and_follow_it(pair: Any) -> None:
+    _, _, q_owner, q_remote, _ = pair
+    q_remote.remote.set_owner(None)  # failover in progress
+    answers: list[bool] = []
+    q_remote.enqueue(Message("", "q", TRANSIENT, b"held"))
+    q_remote.remote.when_forwarded(answers.append)
+    await asyncio.sleep(0.05)
+    assert answers == [] and q_owner.message_count == 0
+    q_remote.remote.set_owner("b")
+    await _until(lambda: answers == [True])
+    assert [qm.message.body for qm in q_owner.default.ready] == [b"held"]
+
+
+async def test_basic_get_through_the_owner_sees_earlier_forwarded_publishes(pair: Any) -> None:
+    _, _, _, q_remote, _ = pair
+    link = q_remote.remote.link
+    assert link is not None
+    q_remote.enqueue(Message("", "q", TRANSIENT, b"just published"))
+    await link.barrier()
+    qm, remaining = await link.get("/", "q", no_ack=True)
+    assert qm is not None and qm.message.body == b"just published" and remaining == 0
+    empty, _ = await link.get("/", "q", no_ack=True)
+    assert empty is None
