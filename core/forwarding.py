@@ -17,6 +17,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import logging
+import struct
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import TYPE_CHECKING, Any
 
@@ -43,6 +44,9 @@ NO_LIMIT_WINDOW = 1000
 # Publishes forwarded and not answered yet, per peer: past this the node
 # stops reading from publishers (flow control), as for the memory alarm.
 FORWARD_HIGH_WATER = 32 * 1024 * 1024
+# Forward batches in flight per peer before the next one waits to grow.
+MAX_INFLIGHT_BATCHES = 2
+BATCH_BYTES = 4 * 1024 * 1024
 # How long a publish to a queue without a live owner waits for one.
 OWNERLESS_TIMEOUT = 15.0
 GRPC_OPTIONS = [
@@ -81,6 +85,84 @@ def _message_of(d: pb.ProxiedDelivery | pb.ForwardedMessage, node: str) -> Messa
     return m
 
 
+# Packed records (the hot path; see the proto's `packed` fields). All names
+# are AMQP short strings (<= 255 bytes); message ids are our own (< 64 KiB).
+_FWD = struct.Struct(">BBBBIIHd")  # vhost, queue, exchange, routing key, props, body, id lengths; timestamp
+_DLV = struct.Struct(">QQBIdBBIIH")  # id, offset, redelivered, count, timestamp; lengths as above
+
+
+def pack_forwarded(parts: list[bytes], vhost: bytes, queue: bytes, m: Message) -> None:
+    ex = m.exchange.encode()
+    rk = m.routing_key.encode()
+    mid = m._id.encode() if m._id is not None else b""
+    parts.append(_FWD.pack(len(vhost), len(queue), len(ex), len(rk), len(m.props), len(m.body), len(mid),
+                           m.timestamp))
+    parts += (vhost, queue, ex, rk, m.props, m.body, mid)
+
+
+def unpack_forwarded(data: bytes, node: str) -> list[tuple[str, str, Message]]:
+    out = []
+    pos = 0
+    end = len(data)
+    unpack = _FWD.unpack_from
+    size = _FWD.size
+    while pos < end:
+        lv, lq, lx, lr, lp, lb, li, ts = unpack(data, pos)
+        pos += size
+        vhost = data[pos : pos + lv].decode()
+        pos += lv
+        queue = data[pos : pos + lq].decode()
+        pos += lq
+        exchange = data[pos : pos + lx].decode()
+        pos += lx
+        rk = data[pos : pos + lr].decode()
+        pos += lr
+        props = data[pos : pos + lp]
+        pos += lp
+        body = data[pos : pos + lb]
+        pos += lb
+        m = Message(exchange, rk, props, body, node=node)
+        if li:
+            m.id = data[pos : pos + li].decode()
+            pos += li
+        m.timestamp = ts
+        out.append((vhost, queue, m))
+    return out
+
+
+def pack_delivery(parts: list[bytes], did: int, qm: QueuedMessage) -> None:
+    m = qm.message
+    ex = m.exchange.encode()
+    rk = m.routing_key.encode()
+    mid = m._id.encode() if m._id is not None else b""
+    parts.append(_DLV.pack(did, qm.offset, qm.redelivered, qm.delivery_count, m.timestamp, len(ex), len(rk),
+                           len(m.props), len(m.body), len(mid)))
+    parts += (ex, rk, m.props, m.body, mid)
+
+
+def unpack_deliveries(data: bytes) -> list[tuple[int, int, bool, int, float, str, str, bytes, bytes, str]]:
+    out = []
+    pos = 0
+    end = len(data)
+    unpack = _DLV.unpack_from
+    size = _DLV.size
+    while pos < end:
+        did, offset, redelivered, count, ts, lx, lr, lp, lb, li = unpack(data, pos)
+        pos += size
+        exchange = data[pos : pos + lx].decode()
+        pos += lx
+        rk = data[pos : pos + lr].decode()
+        pos += lr
+        props = data[pos : pos + lp]
+        pos += lp
+        body = data[pos : pos + lb]
+        pos += lb
+        mid = data[pos : pos + li].decode() if li else ""
+        pos += li
+        out.append((did, offset, bool(redelivered), count, ts, exchange, rk, props, body, mid))
+    return out
+
+
 # ============================================================== non-owner side
 class PeerLink:
     """This node's streams to one peer node: forwarded publishes and a session."""
@@ -94,7 +176,8 @@ class PeerLink:
         self.closed = False
         # -- forward
         self._seq = itertools.count(1)
-        self._batch: list[pb.ForwardedMessage] = []
+        self._batch: list[bytes] = []
+        self._batch_count = 0
         self._batch_bytes = 0
         self._batch_cbs: list[tuple[int, Forwarded]] = []
         self._inflight: dict[int, tuple[list[tuple[int, Forwarded]], int, int]] = {}
@@ -116,13 +199,9 @@ class PeerLink:
         self._gets: dict[int, asyncio.Future[tuple[ProxiedMessage | None, int]]] = {}
 
     # -- forwarding publishes ---------------------------------------------------
-    def forward(self, vhost: str, queue: str, message: Message) -> None:
-        self._batch.append(
-            pb.ForwardedMessage(
-                vhost=vhost, queue=queue, exchange=message.exchange, routing_key=message.routing_key,
-                properties=message.props, body=message.body, message_id=message.id, timestamp=message.timestamp,
-            )
-        )
+    def forward(self, vhost: bytes, queue: bytes, message: Message) -> None:
+        pack_forwarded(self._batch, vhost, queue, message)
+        self._batch_count += 1
         self._batch_bytes += len(message.body)
         if not self._flush_scheduled:
             self._flush_scheduled = True
@@ -130,21 +209,25 @@ class PeerLink:
 
     def when_forwarded(self, done: Forwarded) -> None:
         """``done`` gets the owner's answer for the message forwarded last."""
-        self._batch_cbs.append((len(self._batch) - 1, done))
+        self._batch_cbs.append((self._batch_count - 1, done))
 
-    def _flush(self) -> None:
+    def _flush(self, force: bool = False) -> None:
         self._flush_scheduled = False
         if not self._batch:
             return
         if self.closed:
-            self._fail(self._batch_cbs, len(self._batch))
-            self._batch, self._batch_cbs, self._batch_bytes = [], [], 0
+            self._fail(self._batch_cbs, self._batch_count)
+            self._batch, self._batch_cbs, self._batch_bytes, self._batch_count = [], [], 0, 0
+            return
+        if len(self._inflight) >= MAX_INFLIGHT_BATCHES and not force and self._batch_bytes < BATCH_BYTES:
+            # Busy: let the batch grow until an answer comes (as group commit
+            # does); gRPC's cost is per stream message, not per byte.
             return
         seq = next(self._seq)
-        batch = pb.ForwardBatch(seq=seq, messages=self._batch)
-        self._inflight[seq] = (self._batch_cbs, len(self._batch), self._batch_bytes)
+        batch = pb.ForwardBatch(seq=seq, packed=b"".join(self._batch))
+        self._inflight[seq] = (self._batch_cbs, self._batch_count, self._batch_bytes)
         self.inflight_bytes += self._batch_bytes
-        self._batch, self._batch_cbs, self._batch_bytes = [], [], 0
+        self._batch, self._batch_cbs, self._batch_bytes, self._batch_count = [], [], 0, 0
         if self._forward_q is None:
             self._forward_q = asyncio.Queue()
             self._forward_task = asyncio.get_running_loop().create_task(self._forward_loop(self._forward_q))
@@ -160,7 +243,7 @@ class PeerLink:
         the owner (RabbitMQ keeps that order between a channel and a queue).
         """
         if self._batch:
-            self._flush()
+            self._flush(force=True)
         if not self._inflight:
             return
         fut: asyncio.Future[None] = asyncio.get_running_loop().create_future()
@@ -207,6 +290,8 @@ class PeerLink:
                     cb(not result.error and index < len(accepted) and accepted[index])
                 if self._barriers:
                     self._release_barriers(result.seq)
+                if self._batch and not self._flush_scheduled:
+                    self._flush()
         except (grpc.aio.AioRpcError, asyncio.CancelledError) as exc:
             if isinstance(exc, asyncio.CancelledError):
                 raise
@@ -217,6 +302,10 @@ class PeerLink:
             inflight, self._inflight = self._inflight, {}
             self.inflight_bytes = 0
             self._release_barriers(None)
+            if self._batch:
+                waiting = self._batch_cbs
+                self._batch, self._batch_cbs, self._batch_bytes, self._batch_count = [], [], 0, 0
+                self._fail(waiting, 0)
             for cbs, count, _ in inflight.values():
                 self._fail(cbs, count)
             if self._forward_q is q:
@@ -329,10 +418,11 @@ class PeerLink:
         kind = event.kind
         if kind == pb.SessionEvent.DELIVERIES:
             remote = self.subscriptions.get(event.sub)
+            records = unpack_deliveries(event.packed)
             if remote is None:
-                self.requeue([d.id for d in event.deliveries])
+                self.requeue([r[0] for r in records])
                 return
-            remote.deliveries(self, event.sub, event.deliveries)
+            remote.deliveries(self, event.sub, records)
         elif kind == pb.SessionEvent.CANCELLED:
             remote = self.subscriptions.pop(event.sub, None)
             if remote is not None:
@@ -381,6 +471,8 @@ class QueueRemote:
 
     def __init__(self, queue: Queue, peers: Peers, owner: str | None) -> None:
         self.queue = queue
+        self._vhost_b = queue.vhost.encode()
+        self._name_b = queue.name.encode()
         self.peers = peers
         self.owner: str | None = None
         self.link: PeerLink | None = None
@@ -397,7 +489,7 @@ class QueueRemote:
     def forward(self, message: Message) -> None:
         link = self.link
         if link is not None and not link.closed:
-            link.forward(self.queue.vhost, self.queue.name, message)
+            link.forward(self._vhost_b, self._name_b, message)
             self._last_held = False
             return
         self._held.append((message, []))
@@ -513,16 +605,20 @@ class QueueRemote:
             self.window = window
             link.set_window(self.sub, window)
 
-    def deliveries(self, link: PeerLink, sub: int, deliveries: Any) -> None:
+    def deliveries(self, link: PeerLink, sub: int, records: list[Any]) -> None:
         if link is not self.link or sub != self.sub:
-            link.requeue([d.id for d in deliveries])
+            link.requeue([r[0] for r in records])
             return
         qch = self.queue.default
         node = link.node_id
-        for d in deliveries:
-            qm = ProxiedMessage(_message_of(d, node), d.offset, link, d.id, sub)
-            qm.redelivered = d.redelivered
-            qm.delivery_count = d.delivery_count
+        for did, offset, redelivered, count, ts, exchange, rk, props, body, mid in records:
+            m = Message(exchange, rk, props, body, node=node)
+            m.timestamp = ts
+            if mid:
+                m.id = mid
+            qm = ProxiedMessage(m, offset, link, did, sub)
+            qm.redelivered = redelivered
+            qm.delivery_count = count
             qch.push(qm)
 
     def subscription_cancelled(self, link: PeerLink, sub: int, reason: str) -> None:
@@ -610,7 +706,7 @@ class _OwnerSession:
         self.consumers: dict[int, Consumer] = {}
         self.sub_of: dict[int, int] = {}  # id(consumer) -> sub
         self.unacked: dict[int, tuple[QueuedMessage, Consumer | None, QueueChannel]] = {}
-        self._pending: dict[int, list[pb.ProxiedDelivery]] = {}
+        self._pending: dict[int, list[bytes]] = {}
         self._flush_scheduled = False
 
     # ConsumerSink
@@ -620,15 +716,11 @@ class _OwnerSession:
     def deliver(self, consumer: Consumer, qm: QueuedMessage) -> None:
         did = next(self.ids)
         self.unacked[did] = (qm, consumer, consumer.channel)
-        m = qm.message
         sub = self.sub_of[id(consumer)]
-        self._pending.setdefault(sub, []).append(
-            pb.ProxiedDelivery(
-                id=did, offset=qm.offset, exchange=m.exchange, routing_key=m.routing_key, properties=m.props,
-                body=m.body, message_id=m.id, timestamp=m.timestamp, redelivered=qm.redelivered,
-                delivery_count=qm.delivery_count,
-            )
-        )
+        parts = self._pending.get(sub)
+        if parts is None:
+            parts = self._pending[sub] = []
+        pack_delivery(parts, did, qm)
         if not self._flush_scheduled:
             self._flush_scheduled = True
             asyncio.get_running_loop().call_soon(self._flush)
@@ -644,8 +736,8 @@ class _OwnerSession:
     def _flush(self) -> None:
         self._flush_scheduled = False
         pending, self._pending = self._pending, {}
-        for sub, deliveries in pending.items():
-            self.out.put_nowait(pb.SessionEvent(kind=pb.SessionEvent.DELIVERIES, sub=sub, deliveries=deliveries))
+        for sub, parts in pending.items():
+            self.out.put_nowait(pb.SessionEvent(kind=pb.SessionEvent.DELIVERIES, sub=sub, packed=b"".join(parts)))
 
     # controls
     async def handle(self, c: pb.SessionControl) -> None:
@@ -759,15 +851,15 @@ class NodeService(pb_grpc.NodeServicer):
         stored = False
         node = self.broker.node_id
         queues: dict[tuple[str, str], Queue | None] = {}
-        for fm in batch.messages:
-            key = (fm.vhost, fm.queue)
-            if key not in queues:
-                queues[key] = await self.owned(fm.vhost, fm.queue)
-            q = queues[key]
+        for vhost, queue, message in unpack_forwarded(batch.packed, node):
+            key = (vhost, queue)
+            if key in queues:
+                q = queues[key]
+            else:
+                q = queues[key] = await self.owned(vhost, queue)
             if q is None or q.remote is not None or q.deleted:
                 accepted.append(False)
                 continue
-            message = _message_of(fm, node)
             ok = q.enqueue(message)
             accepted.append(ok)
             if ok and q.storage is not None and message.summary.delivery_mode == 2:

@@ -28,12 +28,14 @@ class ForwardedMessage(_message.Message):
     def __init__(self, vhost: _Optional[str] = ..., queue: _Optional[str] = ..., exchange: _Optional[str] = ..., routing_key: _Optional[str] = ..., properties: _Optional[bytes] = ..., body: _Optional[bytes] = ..., message_id: _Optional[str] = ..., timestamp: _Optional[float] = ...) -> None: ...
 
 class ForwardBatch(_message.Message):
-    __slots__ = ("seq", "messages")
+    __slots__ = ("seq", "messages", "packed")
     SEQ_FIELD_NUMBER: _ClassVar[int]
     MESSAGES_FIELD_NUMBER: _ClassVar[int]
+    PACKED_FIELD_NUMBER: _ClassVar[int]
     seq: int
     messages: _containers.RepeatedCompositeFieldContainer[ForwardedMessage]
-    def __init__(self, seq: _Optional[int] = ..., messages: _Optional[_Iterable[_Union[ForwardedMessage, _Mapping]]] = ...) -> None: ...
+    packed: bytes
+    def __init__(self, seq: _Optional[int] = ..., messages: _Optional[_Iterable[_Union[ForwardedMessage, _Mapping]]] = ..., packed: _Optional[bytes] = ...) -> None: ...
 
 class ForwardResult(_message.Message):
     __slots__ = ("seq", "accepted", "error")
@@ -114,7 +116,7 @@ class ProxiedDelivery(_message.Message):
     def __init__(self, id: _Optional[int] = ..., offset: _Optional[int] = ..., exchange: _Optional[str] = ..., routing_key: _Optional[str] = ..., properties: _Optional[bytes] = ..., body: _Optional[bytes] = ..., message_id: _Optional[str] = ..., timestamp: _Optional[float] = ..., redelivered: _Optional[bool] = ..., delivery_count: _Optional[int] = ...) -> None: ...
 
 class SessionEvent(_message.Message):
-    __slots__ = ("kind", "sub", "deliveries", "reason", "code", "remaining")
+    __slots__ = ("kind", "sub", "deliveries", "reason", "code", "remaining", "packed")
     class Kind(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
         __slots__ = ()
         KIND_UNSPECIFIED: _ClassVar[SessionEvent.Kind]
@@ -135,13 +137,15 @@ class SessionEvent(_message.Message):
     REASON_FIELD_NUMBER: _ClassVar[int]
     CODE_FIELD_NUMBER: _ClassVar[int]
     REMAINING_FIELD_NUMBER: _ClassVar[int]
+    PACKED_FIELD_NUMBER: _ClassVar[int]
     kind: SessionEvent.Kind
     sub: int
     deliveries: _containers.RepeatedCompositeFieldContainer[ProxiedDelivery]
     reason: str
     code: int
     remaining: int
-    def __init__(self, kind: _Optional[_Union[SessionEvent.Kind, str]] = ..., sub: _Optional[int] = ..., deliveries: _Optional[_Iterable[_Union[ProxiedDelivery, _Mapping]]] = ..., reason: _Optional[str] = ..., code: _Optional[int] = ..., remaining: _Optional[int] = ...) -> None: ...
+    packed: bytes
+    def __init__(self, kind: _Optional[_Union[SessionEvent.Kind, str]] = ..., sub: _Optional[int] = ..., deliveries: _Optional[_Iterable[_Union[ProxiedDelivery, _Mapping]]] = ..., reason: _Optional[str] = ..., code: _Optional[int] = ..., remaining: _Optional[int] = ..., packed: _Optional[bytes] = ...) -> None: ...
 
 class PurgeResult(_message.Message):
     __slots__ = ("purged",)
