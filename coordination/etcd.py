@@ -442,6 +442,12 @@ class EtcdCluster:
             return
         info = NodeInfo.of(value)
         self.mirror.nodes[node] = info
+        if node != self.node_id and not self._stopping:
+            # A standing stream to every peer: a crashed peer is noticed when
+            # it breaks, not only when its lease expires (see _probe_peer).
+            link = self.peers.link(node)
+            if link is not None:
+                link.watch()
         if not known:
             if node != self.node_id:
                 log.info("node joined the cluster", extra={"peer": node, "region": info.region})
@@ -749,6 +755,11 @@ class EtcdCluster:
                     self._start_takeover(vq, owner[1])
                 elif owner[0] != self.node_id and owner[0] not in self.mirror.nodes:
                     pass  # its lease is about to expire; the delete event follows
+            for node in list(self.mirror.nodes):
+                if node != self.node_id:
+                    link = self.peers.link(node)
+                    if link is not None:
+                        link.watch()
             value = self._node_value()
             if value.split(b'"started"')[0] != last_info:
                 last_info = value.split(b'"started"')[0]

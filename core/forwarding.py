@@ -325,6 +325,12 @@ class PeerLink:
             self._session_task = asyncio.get_running_loop().create_task(self._session_loop(self._control_q))
         self._control_q.put_nowait(msg)
 
+    def watch(self) -> None:
+        """Open the session stream now: its end tells at once that the peer's process is gone."""
+        if self._control_q is None and not self.closed:
+            self._control_q = asyncio.Queue()
+            self._session_task = asyncio.get_running_loop().create_task(self._session_loop(self._control_q))
+
     def subscribe(self, remote: QueueRemote, window: int) -> int:
         sub = next(self._sub_ids)
         self.subscriptions[sub] = remote
