@@ -626,6 +626,7 @@ class EtcdCluster:
         self.serving[vq] = "ready"
         self._flush_held(q, held)
         q.default.dispatch()
+        q.touch()  # the x-expires clock runs on the owner
         log.info("serving queue", extra={"vhost": vq[0], "queue": vq[1], "epoch": epoch, "messages_loaded": loaded,
                                          "ms": round((time.monotonic() - started) * 1000, 1)})
 
@@ -669,6 +670,7 @@ class EtcdCluster:
         held = q.remote.detach() if q.remote is not None else []
         remote = QueueRemote(q, self.peers, owner)
         q.remote = remote
+        q.cancel_expiry()  # x-expires runs on the owner only
         remote.adopt(held)
 
     def fenced(self, queues: list[tuple[str, str]]) -> None:

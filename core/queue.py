@@ -523,14 +523,19 @@ class Queue:
     def touch(self) -> None:
         """The queue was used (declared, got from): restart its x-expires clock."""
         expires = self.args.expires
-        if expires is None or self.deleted:
-            return
+        if expires is None or self.deleted or self.remote is not None:
+            return  # only the owner decides when its queue expires
         if self._expires_timer is not None:
             self._expires_timer.cancel()
             self._expires_timer = None
         if any(ch.consumers for ch in self.channels):
             return
         self._expires_timer = self.scheduler.call_later(expires / 1000.0, self._expired)
+
+    def cancel_expiry(self) -> None:
+        if self._expires_timer is not None:
+            self._expires_timer.cancel()
+            self._expires_timer = None
 
     def _expired(self) -> None:
         self._expires_timer = None
@@ -546,6 +551,8 @@ class Queue:
     def consumer_removed(self) -> None:
         if any(ch.consumers for ch in self.channels):
             return
+        if self.remote is not None:
+            return  # the owner sees the proxy's subscription come and go, and decides
         if self.auto_delete and self.had_consumers and self._on_unused is not None:
             self._on_unused(self)
         else:

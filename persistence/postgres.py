@@ -162,6 +162,13 @@ class PostgresStore:
             kwargs["connect_timeout"] = max(2, math.ceil(self._connect_timeout))  # libpq: whole seconds, >= 2
         if "application_name" not in given:
             kwargs["application_name"] = "leveret"
+        # A node paused in the middle of a transaction (SIGSTOP, a VM freeze)
+        # holds its queue_epochs row lock; the next owner's fencing claim must
+        # not wait for it to wake. The server ends such a transaction after a
+        # second (its commit then fails: nacks, never a false confirm), and no
+        # statement waits on a lock for more than five.
+        fence = "-c idle_in_transaction_session_timeout=1000 -c lock_timeout=5000"
+        kwargs["options"] = f"{given['options']} {fence}" if given.get("options") else fence
         return kwargs
 
     async def open(self) -> None:
