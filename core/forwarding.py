@@ -44,6 +44,8 @@ NO_LIMIT_WINDOW = 1000
 # Publishes forwarded and not answered yet, per peer: past this the node
 # stops reading from publishers (flow control), as for the memory alarm.
 FORWARD_HIGH_WATER = 32 * 1024 * 1024
+# How long acks to an owner wait to be sent together.
+SETTLE_DELAY = 0.002
 # Forward batches in flight per peer before the next one waits to grow.
 MAX_INFLIGHT_BATCHES = 2
 BATCH_BYTES = 4 * 1024 * 1024
@@ -351,8 +353,10 @@ class PeerLink:
             return  # delivered by an earlier session: the owner requeued it already
         (self._rejects if qm.reject else self._acks).append(qm.remote_id)
         if not self._settle_scheduled:
+            # Settlements only return credit, so they can wait a moment to
+            # share one stream write (~100 us each in grpc.aio, py-spy).
             self._settle_scheduled = True
-            asyncio.get_running_loop().call_soon(self._flush_settlements)
+            asyncio.get_running_loop().call_later(SETTLE_DELAY, self._flush_settlements)
 
     def keeps(self, qm: QueuedMessage) -> bool:
         """May a requeued ``qm`` wait in the local ready list (its subscription still runs)?"""
