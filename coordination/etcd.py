@@ -34,13 +34,14 @@ import aetcd
 import grpc
 
 from coordination.keys import Layout, decode_args, dumps, encode_args, loads
+from core import direct_reply
 from core.broker import Broker, User
 from core.durability import QueueStorage, _restored
 from core.errors import BrokerError, NotFound, PreconditionFailed
 from core.exchange import Exchange
 from core.forwarding import LoadingGate, NodeService, NotOwner, Peers, QueueRemote
 from core.group_commit import GroupCommitter
-from core.message import QueuedMessage
+from core.message import Message, QueuedMessage
 from core.queue import Queue
 from core.store import Fenced, MessageStore, StoreError
 from core.vhost import VirtualHost
@@ -51,6 +52,7 @@ OP_TIMEOUT = 5.0
 # How long a forwarded publish or a proxied subscription waits for this node
 # to finish taking over a queue it was just given.
 OWNED_WAIT = 10.0
+OWNED_GRACE = 1.0
 
 
 class RemoteOwner:
@@ -187,6 +189,8 @@ class EtcdCluster:
                     raise
                 await asyncio.sleep(0.5)
         self.peers.on_congestion = self._congestion
+        self.broker.reply_to.tag = direct_reply.node_tag(self.node_id)
+        self.broker.reply_to.remote = self._forward_reply
         for vh in self.broker.vhosts.values():
             vh.on_queue_deleted.append(self._local_queue_deleted)
         await self._register()
@@ -770,23 +774,24 @@ class EtcdCluster:
 
     async def owned(self, vhost: str, queue: str) -> Queue | None:
         """The local queue when this node owns it, once loaded (waits while it is being taken over)."""
-        deadline = time.monotonic() + OWNED_WAIT
+        started = time.monotonic()
         vq = (vhost, queue)
         while True:
             vh = self.broker.vhosts.get(vhost)
             q = vh.queues.get(queue) if vh is not None else None
             if q is not None and q.remote is None and not q.deleted and self.serving.get(vq) == "ready":
                 return q
-            state = self.serving.get(vq)
             owner = self.mirror.owners.get(vq)
-            if state is None and owner is not None and owner[0] != self.node_id:
-                return None
-            if time.monotonic() > deadline:
+            mine = self.serving.get(vq) is not None or (owner is not None and owner[0] == self.node_id)
+            # Ours or ownerless: wait for the take-over. Unknown or another
+            # node's: only a short grace, for a watch event still on its way.
+            waited = time.monotonic() - started
+            if waited > (OWNED_WAIT if mine or (owner is None and vq in self.mirror.queues) else OWNED_GRACE):
                 return None
             task = self._taking.get(vq)
             if task is not None:
                 with contextlib.suppress(Exception):
-                    await asyncio.wait_for(asyncio.shield(task), max(0.01, deadline - time.monotonic()))
+                    await asyncio.wait_for(asyncio.shield(task), OWNED_WAIT)
             else:
                 await asyncio.sleep(0.01)
 
@@ -819,6 +824,17 @@ class EtcdCluster:
         log.warning("peer unreachable and not listening: revoking its lease", extra={"peer": info.id})
         with contextlib.suppress(Exception):
             await asyncio.wait_for(self.client.revoke_lease(info.lease), OP_TIMEOUT)
+
+    def _forward_reply(self, tag: str, routing_key: str, message: Message) -> bool:
+        """A direct reply-to address of a requester on another node: send the reply there."""
+        for node in self.mirror.nodes:
+            if direct_reply.node_tag(node) == tag:
+                link = self.peers.link(node)
+                if link is None:
+                    return False
+                link.forward(b"/", routing_key.encode(), message)
+                return True
+        return False
 
     def _congestion(self, congested: bool) -> None:
         self.broker.set_forward_congestion(congested)

@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING, Any
 
 import grpc
 
+from core import direct_reply
 from core.errors import BrokerError, NotFound
 from core.grpc_api import internal_pb2 as pb
 from core.grpc_api import internal_pb2_grpc as pb_grpc
@@ -862,6 +863,10 @@ class NodeService(pb_grpc.NodeServicer):
         node = self.broker.node_id
         queues: dict[tuple[str, str], Queue | None] = {}
         for vhost, queue, message in unpack_forwarded(batch.packed, node):
+            if queue.startswith(direct_reply.PREFIX):
+                # A reply to a requester connected here (direct reply-to across nodes).
+                accepted.append(self.broker.reply_to.deliver(queue, message))
+                continue
             key = (vhost, queue)
             if key in queues:
                 q = queues[key]
@@ -940,6 +945,6 @@ class NodeService(pb_grpc.NodeServicer):
     async def Stats(self, request: pb.QueueRef, context: grpc.aio.ServicerContext) -> pb.QueueStats:  # noqa: N802
         q = await self.owned(request.vhost, request.queue)
         if q is None:
-            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, "not the owner of this queue")
+            await context.abort(grpc.StatusCode.NOT_FOUND, "not the owner of this queue")
             raise AssertionError("unreachable")
         return pb.QueueStats(messages=q.message_count, consumers=q.consumer_count)

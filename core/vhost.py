@@ -182,7 +182,7 @@ class VirtualHost:
             name = server_generated_name()
         existing = self.queues.get(name)
         if existing is None:
-            if name.startswith("amq.") and not generated:
+            if name.startswith("amq.") and not generated and not restoring:
                 raise AccessRefused(f"queue name '{name}' contains reserved prefix 'amq.*'")
             args = parse_queue_args(arguments, name, self.name)
             q = Queue(

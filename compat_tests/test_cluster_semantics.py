@@ -1,0 +1,138 @@
+"""Cluster semantics a RabbitMQ user relies on across nodes, with pika against three node processes.
+
+The failover and fencing scenarios are in test_cluster.py; this file covers
+what must behave as on a single node when the client's node is not the
+queue's owner: direct reply-to, auto-delete, x-expires, basic.get order,
+exclusive queues.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+
+import pika
+import pytest
+from pika.adapters.blocking_connection import BlockingChannel
+
+from compat_tests.cluster_process import Cluster
+
+pytestmark = pytest.mark.timeout(180)
+
+
+@pytest.fixture(scope="module")
+def cluster() -> Iterator[Cluster]:
+    with Cluster(3) as c:
+        yield c
+
+
+def _channel(cluster: Cluster, node: str) -> tuple[pika.BlockingConnection, BlockingChannel]:
+    conn = pika.BlockingConnection(pika.URLParameters(cluster.url(node)))
+    return conn, conn.channel()
+
+
+def test_direct_reply_to_across_nodes(cluster: Cluster) -> None:
+    req_conn, req = _channel(cluster, "n1")
+    srv_conn, srv = _channel(cluster, "n2")
+    try:
+        srv.queue_declare("rpc.requests", durable=True)
+        replies: list[bytes] = []
+        req.basic_consume("amq.rabbitmq.reply-to", lambda ch, m, p, body: replies.append(body), auto_ack=True)
+        req.basic_publish("", "rpc.requests", b"ping", pika.BasicProperties(reply_to="amq.rabbitmq.reply-to"))
+        deadline = time.monotonic() + 10
+        request = None
+        while request is None and time.monotonic() < deadline:
+            request = srv.basic_get("rpc.requests", auto_ack=True)
+            if request[0] is None:
+                request = None
+                time.sleep(0.05)
+        assert request is not None, "the request never reached the server's node"
+        _, props, body = request
+        assert body == b"ping" and props.reply_to.startswith("amq.rabbitmq.reply-to.")
+        srv.basic_publish("", props.reply_to, b"pong")
+        while not replies and time.monotonic() < deadline:
+            req_conn.process_data_events(time_limit=0.1)
+        assert replies == [b"pong"]
+    finally:
+        req_conn.close()
+        srv_conn.close()
+
+
+def test_publish_then_get_through_a_non_owner_sees_the_message(cluster: Cluster) -> None:
+    conn, ch = _channel(cluster, "n1")
+    try:
+        ch.queue_declare("sem.order", durable=True)
+        owner = cluster.wait_owner("sem.order", timeout=10)
+        other = next(n for n in ("n1", "n2", "n3") if n != owner)
+        oconn, och = _channel(cluster, other)
+        try:
+            for i in range(20):
+                och.basic_publish("", "sem.order", f"m{i}".encode())
+                got = och.basic_get("sem.order", auto_ack=True)
+                assert got[2] == f"m{i}".encode(), f"publish {i} through {other} not seen by the next basic.get"
+            assert och.queue_declare("sem.order", passive=True).method.message_count == 0
+        finally:
+            oconn.close()
+    finally:
+        conn.close()
+
+
+def test_auto_delete_queue_stays_while_the_owner_has_consumers(cluster: Cluster) -> None:
+    conn1, ch1 = _channel(cluster, "n1")
+    conn2, ch2 = _channel(cluster, "n2")
+    try:
+        # A non-durable queue lives on the node that declared it (n1).
+        ch1.queue_declare("sem.autodel", auto_delete=True)
+        ch1.basic_consume("sem.autodel", lambda *a: None, auto_ack=True)
+        tag = ch2.basic_consume("sem.autodel", lambda *a: None, auto_ack=True)
+        ch2.basic_cancel(tag)  # n2's last local consumer leaves: n1 still has one
+        time.sleep(1.0)
+        assert ch2.queue_declare("sem.autodel", passive=True).method.consumer_count == 1
+        ch1.close()  # the last consumer anywhere: the queue goes, on every node
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline:
+            try:
+                ch2.queue_declare("sem.autodel", passive=True)
+            except pika.exceptions.ChannelClosedByBroker as exc:
+                assert exc.reply_code == 404
+                break
+            time.sleep(0.2)
+        else:
+            raise AssertionError("auto-delete queue still there after its last consumer left")
+    finally:
+        conn1.close()
+        conn2.close()
+
+
+def test_exclusive_queue_is_locked_to_its_connection_on_every_node(cluster: Cluster) -> None:
+    conn1, ch1 = _channel(cluster, "n1")
+    conn2, ch2 = _channel(cluster, "n2")
+    try:
+        name = ch1.queue_declare("", exclusive=True).method.queue
+        ch2.basic_publish("", name, b"to an exclusive queue of another node")
+        deadline = time.monotonic() + 5
+        got = None
+        while got is None and time.monotonic() < deadline:
+            m = ch1.basic_get(name, auto_ack=True)
+            got = m[2]
+            time.sleep(0.02)
+        assert got == b"to an exclusive queue of another node"
+        with pytest.raises(pika.exceptions.ChannelClosedByBroker) as info:
+            ch2.basic_consume(name, lambda *a: None)
+        assert info.value.reply_code == 405
+        conn1.close()  # the owning connection goes: the queue goes cluster-wide
+        _, ch3 = _channel(cluster, "n3")
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline:
+            try:
+                ch3.queue_declare(name, passive=True)
+            except pika.exceptions.ChannelClosedByBroker as exc:
+                assert exc.reply_code == 404
+                break
+            time.sleep(0.2)
+        else:
+            raise AssertionError("exclusive queue outlived its connection")
+    finally:
+        if conn1.is_open:
+            conn1.close()
+        conn2.close()
