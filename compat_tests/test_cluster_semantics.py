@@ -136,3 +136,36 @@ def test_exclusive_queue_is_locked_to_its_connection_on_every_node(cluster: Clus
         if conn1.is_open:
             conn1.close()
         conn2.close()
+
+
+def test_status_events_report_a_lost_node_and_its_moved_queues(cluster: Cluster) -> None:
+    """Runs last in this module: it kills a node."""
+    from leveret.client import Client
+
+    conn, ch = _channel(cluster, "n1")
+    try:
+        for i in range(3):
+            ch.queue_declare(f"sem.moving.{i}", durable=True)
+        victim = next(n for n in ("n2", "n3") if any(
+            cluster.owner(f"sem.moving.{i}") == n for i in range(3)))
+        client = Client(f"127.0.0.1:{cluster['n1'].grpc_port}")
+        try:
+            events = client.status_subscriber()
+            first = events.get(timeout=10)
+            assert first is not None and first.kind == "NODE_UP" and first.node == "n1"
+            cluster.kill(victim)
+            seen: list[tuple[str, str, str]] = []
+            deadline = time.monotonic() + 15
+            while time.monotonic() < deadline and not (
+                ("NODE_LOST", victim, "") in seen and any(k == "QUEUE_MOVED" for k, _, _ in seen)
+            ):
+                ev = events.get(timeout=1)
+                if ev is not None:
+                    seen.append((ev.kind, ev.node, ev.queue))
+            assert ("NODE_LOST", victim, "") in seen, seen
+            moved = [(node, q) for kind, node, q in seen if kind == "QUEUE_MOVED"]
+            assert moved and all(node != victim and q.startswith("sem.moving.") for node, q in moved), seen
+        finally:
+            client.close()
+    finally:
+        conn.close()

@@ -96,6 +96,7 @@ class Mirror:
     queues: dict[tuple[str, str], dict[str, Any]] = field(default_factory=dict)
     owners: dict[tuple[str, str], tuple[str, int]] = field(default_factory=dict)  # -> (node, epoch)
     orphaned_since: dict[tuple[str, str], float] = field(default_factory=dict)
+    last_owner: dict[tuple[str, str], str] = field(default_factory=dict)  # survives the owner key's delete
 
 
 def _endpoint(url: str) -> tuple[str, int]:
@@ -477,6 +478,7 @@ class EtcdCluster:
         if value is None:
             self.mirror.queues.pop(vq, None)
             self.mirror.orphaned_since.pop(vq, None)
+            self.mirror.last_owner.pop(vq, None)
             q = vh.queues.get(name)
             if q is not None:
                 self.serving.pop(vq, None)
@@ -553,7 +555,9 @@ class EtcdCluster:
             return
         self.mirror.owners[vq] = (node, epoch)
         self.mirror.orphaned_since.pop(vq, None)
-        if previous is not None and previous != (node, epoch) and previous[0] != node:
+        last = self.mirror.last_owner.get(vq)
+        self.mirror.last_owner[vq] = node
+        if last is not None and last != node:
             self._emit("queue-moved", node, vq[0], vq[1])
         if q is None:
             return

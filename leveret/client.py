@@ -110,7 +110,7 @@ class Message:
 
 @dataclass
 class ClusterEvent:
-    kind: str  # NODE_UP, QUEUE_CREATED, QUEUE_DELETED
+    kind: str  # NODE_UP, QUEUE_CREATED, QUEUE_DELETED; cluster: NODE_ADDED, NODE_LOST, QUEUE_MOVED
     node: str
     vhost: str = ""
     queue: str = ""
