@@ -40,7 +40,9 @@ Forwarded = Callable[[bool], None]  # True: the owner accepted (and committed) t
 
 # A proxied subscription never asks the owner for more than this many
 # unacked messages, whatever the local prefetch (0 = unlimited) says.
-MAX_WINDOW = 2000
+MAX_WINDOW = 4000
+READ_AHEAD = 2
+READ_AHEAD_FROM = 100
 NO_LIMIT_WINDOW = 1000
 # Publishes forwarded and not answered yet, per peer: past this the node
 # stops reading from publishers (flow control), as for the memory alarm.
@@ -48,7 +50,7 @@ FORWARD_HIGH_WATER = 32 * 1024 * 1024
 # How long acks to an owner wait to be sent together.
 SETTLE_DELAY = 0.002
 # Forward batches in flight per peer before the next one waits to grow.
-MAX_INFLIGHT_BATCHES = 2
+MAX_INFLIGHT_BATCHES = 64
 BATCH_BYTES = 4 * 1024 * 1024
 # How long a publish to a queue without a live owner waits for one.
 OWNERLESS_TIMEOUT = 15.0
@@ -600,7 +602,12 @@ class QueueRemote:
             return
         window = 0
         for c in qch.consumers:
-            window += NO_LIMIT_WINDOW if c.no_ack or not c.prefetch else c.prefetch
+            prefetch = NO_LIMIT_WINDOW if c.no_ack or not c.prefetch else c.prefetch
+            # Throughput consumers (a large prefetch) get a read-ahead of one
+            # more prefetch, so the ack round trip through the owner does not
+            # drain the pipeline; a small prefetch (work queues, prefetch 1)
+            # is exact, so no node hoards tasks another node's worker could take.
+            window += prefetch * READ_AHEAD if prefetch >= READ_AHEAD_FROM else prefetch
         window = min(window, MAX_WINDOW)
         link = self.link
         if link is None or link.closed:
