@@ -33,6 +33,11 @@ class GRPCServer:
                 ("grpc.max_receive_message_length", self.max_message),
                 ("grpc.max_send_message_length", self.max_message),
                 ("grpc.so_reuseport", 0),
+                # Cluster peers ping their standing streams every 5 s (core/forwarding.py);
+                # the default policy answers such pings with GOAWAY "too_many_pings".
+                ("grpc.keepalive_permit_without_calls", 1),
+                ("grpc.http2.min_ping_interval_without_data_ms", 4000),
+                ("grpc.http2.max_ping_strikes", 0),
             ]
         )
         pb_grpc.add_BrokerServicer_to_server(self.servicer, server)
