@@ -169,3 +169,31 @@ async def test_basic_get_through_the_owner_sees_earlier_forwarded_publishes(pair
     assert qm is not None and qm.message.body == b"just published" and remaining == 0
     empty, _ = await link.get("/", "q", no_ack=True)
     assert empty is None
+
+
+async def test_forwarding_past_the_high_water_mark_raises_congestion_until_answered(
+    pair: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from core import forwarding
+
+    _, other, q_owner, q_remote, peers = pair
+    monkeypatch.setattr(forwarding, "FORWARD_HIGH_WATER", 64 * 1024)
+    states: list[bool] = []
+    link = q_remote.remote.link
+    assert link is not None
+    link.on_congestion = states.append
+    for _ in range(100):  # 100 x 4 KiB, sent in one batch: over the mark until the owner answers
+        q_remote.enqueue(Message("", "q", TRANSIENT, b"x" * 4096))
+    await _until(lambda: len(q_owner.default.ready) == 100)
+    await _until(lambda: states == [True, False])
+    assert not link.congested and link.inflight_bytes == 0
+
+
+async def test_broker_congestion_reaches_its_flow_listeners() -> None:
+    broker = Broker(node_id="a")
+    seen: list[bool] = []
+    broker.flow_listeners.append(seen.append)
+    broker.set_forward_congestion(True)
+    broker.set_forward_congestion(True)  # no repeat
+    broker.set_forward_congestion(False)
+    assert seen == [True, False] and not broker.forward_congested
