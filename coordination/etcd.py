@@ -257,40 +257,56 @@ class EtcdCluster:
         ttl = self.settings.lease_ttl
         interval = ttl / 4
         margin = min(0.5, ttl / 4)
+        watchdog = asyncio.get_running_loop().create_task(self._lease_watchdog(ttl - margin))
+        try:
+            while True:
+                await asyncio.sleep(interval)
+                await self._refresh_once(ttl)
+        finally:
+            watchdog.cancel()
+
+    async def _lease_watchdog(self, limit: float) -> None:
         while True:
-            await asyncio.sleep(interval)
+            await asyncio.sleep(0.1)
             age = time.monotonic() - self.lease_ok_at
-            if age > ttl - margin and not self.fenced_self:
+            if age > limit and not self.fenced_self:
                 # Paused, or cut off from etcd: the lease may be gone and a new
                 # owner may be loading our queues. Stop serving them now; the
                 # store's epoch check makes anything still in flight fail.
-                self._fence_self(f"lease not refreshed for {age:.1f}s (ttl {ttl}s)")
-            try:
-                reply = await asyncio.wait_for(self.client.refresh_lease(self.lease_id), max(interval, 0.5))
-                alive = reply is not None and reply.TTL > 0
-            except Exception as exc:  # noqa: BLE001 - etcd unreachable: keep trying
-                log.debug("lease refresh failed", extra={"error": f"{type(exc).__name__}: {exc}"})
-                await self._reconnect_if_needed()
-                continue
-            if alive and not self.fenced_self:
-                self.lease_ok_at = time.monotonic()
-                continue
-            if not alive and not self.fenced_self:
-                self._fence_self("lease expired")
-            # A new lease, a new registration; the reconcile loop takes back
-            # what our owner keys still say is ours.
-            try:
-                if not alive:
-                    lease = await asyncio.wait_for(self.client.lease(ttl), OP_TIMEOUT)
-                    self.lease_id = lease.id
-                self.lease_ok_at = time.monotonic()
-                self.fenced_self = False
-                await self._put_node_info()
-                log.warning("rejoined the cluster", extra={"node": self.node_id, "lease": self.lease_id,
-                                                            "new_lease": not alive})
-                await self._resync()
-            except Exception as exc:  # noqa: BLE001
-                log.warning("rejoin failed; retrying", extra={"error": f"{type(exc).__name__}: {exc}"})
+                self._fence_self(f"lease not refreshed for {age:.1f}s (limit {limit:.1f}s)")
+
+    async def _refresh_once(self, ttl: int) -> None:
+        sent = time.monotonic()
+        try:
+            # A slow answer still counts (from when it was asked): cutting it
+            # short made loaded nodes fence themselves with a live lease.
+            reply = await asyncio.wait_for(self.client.refresh_lease(self.lease_id), ttl)
+            alive = reply is not None and reply.TTL > 0
+        except Exception as exc:  # noqa: BLE001 - etcd unreachable: keep trying
+            log.debug("lease refresh failed", extra={"error": f"{type(exc).__name__}: {exc}"})
+            await self._reconnect_if_needed()
+            return
+        if alive and not self.fenced_self:
+            self.lease_ok_at = max(self.lease_ok_at, sent)
+            return
+        if not alive and not self.fenced_self:
+            self._fence_self("lease expired")
+        # A new lease, a new registration; the reconcile loop takes back
+        # what our owner keys still say is ours.
+        try:
+            if not alive:
+                asked = time.monotonic()
+                lease = await asyncio.wait_for(self.client.lease(ttl), OP_TIMEOUT)
+                self.lease_id = lease.id
+                sent = asked
+            self.lease_ok_at = sent
+            self.fenced_self = False
+            await self._put_node_info()
+            log.warning("rejoined the cluster", extra={"node": self.node_id, "lease": self.lease_id,
+                                                        "new_lease": not alive})
+            await self._resync()
+        except Exception as exc:  # noqa: BLE001
+            log.warning("rejoin failed; retrying", extra={"error": f"{type(exc).__name__}: {exc}"})
 
     async def _reconnect_if_needed(self) -> None:
         try:

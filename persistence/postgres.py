@@ -25,6 +25,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import hashlib
+import logging
 import math
 import re
 from collections.abc import AsyncIterator, Iterator, Sequence
@@ -52,6 +53,10 @@ from persistence.migrate import apply_postgres
 MIGRATIONS = Path(__file__).resolve().parent / "migrations" / "postgres"
 
 DEFAULT_CONNECT_TIMEOUT = 5.0  # seconds, when the DSN does not say
+log = logging.getLogger("leveret.store")
+
+# How long a claim waits for a row lock before it ends a stalled holder's session.
+CLAIM_PATIENCE = 0.3
 ACQUIRE_TIMEOUT = 10.0  # seconds to wait for a pooled connection before failing a call
 
 _MESSAGE_COLUMNS = (
@@ -334,17 +339,44 @@ class PostgresStore:
                     )
                 else:
                     # Moves to ``epoch`` when it is newer; an equal epoch is an idempotent re-claim.
-                    cur = await conn.execute(
+                    claim = asyncio.ensure_future(conn.execute(
                         "INSERT INTO queue_epochs (vhost, queue, epoch) VALUES (%s, %s, %s)"
                         " ON CONFLICT (vhost, queue) DO UPDATE SET epoch = EXCLUDED.epoch"
                         " WHERE queue_epochs.epoch <= EXCLUDED.epoch"
                         " RETURNING epoch",
                         (vhost, queue, epoch),
-                    )
+                    ))
+                    await self._unblock(claim, conn.info.backend_pid)
+                    cur = await claim
                 row = await cur.fetchone()
         if row is None:
             raise Fenced([(vhost, queue)])
         return int(row[0])
+
+    async def _unblock(self, claim: asyncio.Future[Any], waiter_pid: int) -> None:
+        """End the sessions of an older owner that block a claim.
+
+        A cluster node claims a queue only after etcd gave it the owner key:
+        the previous owner lost its lease. If that node was paused in the
+        middle of a commit, its session still holds the row lock the claim
+        needs and would hold it until the node wakes up. Its transaction can
+        only fail now (its epoch is stale), so it is ended, which releases the
+        lock. Only Leveret node sessions (application_name 'leveret') are ended.
+        """
+        while not claim.done():
+            await asyncio.wait({claim}, timeout=CLAIM_PATIENCE)
+            if claim.done():
+                return
+            async with self._connection() as other:
+                cur = await other.execute(
+                    "SELECT a.pid, pg_terminate_backend(a.pid) FROM pg_stat_activity a"
+                    " WHERE a.pid = ANY(pg_blocking_pids(%s)) AND a.application_name = 'leveret'",
+                    (waiter_pid,),
+                )
+                ended = [pid for pid, _ in await cur.fetchall()]
+            if ended:
+                log.warning("ended a stalled previous owner's store sessions to claim the queue",
+                            extra={"pids": ended})
 
     async def load_messages(self, vhost: str, queue: str) -> list[StoredMessage]:
         with self._guard(f"loading the messages of {vhost}/{queue}"):
