@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any
 from pamqp import commands
 from pamqp.base import Frame as Method
 
-from amqp_frontend import codec
+from amqp_frontend import codec, stream_consumer
 from core import direct_reply, properties
 from core.errors import (
     AccessRefused,
@@ -30,6 +30,7 @@ from core.errors import (
 from core.exchange import Exchange
 from core.message import Message, QueuedMessage
 from core.queue import Consumer, Queue, QueueChannel
+from core.stream import StreamQueue
 
 if TYPE_CHECKING:
     from amqp_frontend.connection import Connection
@@ -593,6 +594,9 @@ class Channel:
             self._consume_replies(tag, m)
             return
         q = self._get_queue(m.queue)
+        if isinstance(q, StreamQueue):
+            stream_consumer.consume(self, q, tag, m)
+            return
         priority = (m.arguments or {}).get("x-priority", 0)
         if isinstance(priority, bool) or not isinstance(priority, int):
             raise PreconditionFailed(f"invalid arg 'x-priority': expected an integer, got {priority!r}")
@@ -637,6 +641,7 @@ class Channel:
 
     def _basic_get(self, m: commands.Basic.Get) -> None:
         q = self._get_queue(m.queue)
+        stream_consumer.refuse_get(q)
         q.touch()
         qch = q.default
         qm = qch.get(m.no_ack)

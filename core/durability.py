@@ -15,6 +15,7 @@ from core.exchange import Binding, Exchange
 from core.group_commit import GroupCommitter
 from core.message import Message, QueuedMessage
 from core.store import BindingRecord, ExchangeRecord, MessageStore, QueueRecord, StoredMessage
+from core.stream import StreamQueue
 
 if TYPE_CHECKING:
     from core.broker import Broker
@@ -53,6 +54,12 @@ class QueueStorage:
     def delivery_count(self, qm: QueuedMessage) -> None:
         self.committer.update_delivery_count(self, qm.offset, qm.delivery_count)
 
+    def truncate(self, first_kept: int) -> None:
+        self.committer.truncate(self, first_kept)
+
+    def commit_offset(self, group: str, offset: int) -> None:
+        self.committer.set_offset(self, group, offset)
+
 
 def _is_durable_queue(q: Queue) -> bool:
     return q.durable and not q.exclusive
@@ -89,6 +96,9 @@ class Durability:
             for sm in stored:
                 q.restore(_restored(sm, broker.node_id), sm.offset, sm.expires_at, sm.delivery_count)
             messages += len(stored)
+            if isinstance(q, StreamQueue):
+                q.committed = await self.store.load_offsets(qr.vhost, qr.name)
+                q.enforce_age()
         for br in topo.bindings:
             bvh = broker.vhosts.get(br.vhost)
             if bvh is None or br.source not in bvh.exchanges:
