@@ -161,10 +161,17 @@ class StreamReader(QueueChannel):
         new = consumers[self.queue.partition % len(consumers)] if consumers else None
         if new is self._active:
             return
-        self._active = new
-        if self._inflight:
-            # The previous active member's unacknowledged messages go to the next one.
-            self.cursor = self._inflight[0]
+        previous, self._active = self._active, new
+        if previous is not None and self.group is not None:
+            if self._track:
+                if self._inflight:
+                    # The previous active member's unacknowledged messages go to the next one.
+                    self.cursor = self._inflight[0]
+            else:
+                # Offsets are committed explicitly: the next member starts after the last commit.
+                committed = self.queue.committed.get(self.group)
+                if committed is not None:
+                    self.cursor = committed + 1
         self._inflight.clear()
         self._acked.clear()
 
@@ -338,6 +345,12 @@ class StreamQueue(Queue):
         """The group has processed everything up to ``offset``: remember it (in the store when durable)."""
         if self.committed.get(group, -1) >= offset:
             return
+        self.committed[group] = offset
+        if self.storage is not None:
+            self.storage.commit_offset(group, offset)
+
+    def set_committed(self, group: str, offset: int) -> None:
+        """An explicit commit (gRPC CommitOffset): may also move the group back."""
         self.committed[group] = offset
         if self.storage is not None:
             self.storage.commit_offset(group, offset)

@@ -9,7 +9,7 @@ from typing import Any
 import pytest
 
 from amqp_frontend.stream_consumer import with_stream_offset
-from core import properties
+from core import partition, properties
 from core.clock import ManualScheduler
 from core.errors import NotImplementedFeature, PreconditionFailed
 from core.message import Message
@@ -219,3 +219,49 @@ def test_offset_header_splice(props: bytes) -> None:
         k: v for k, v in before.pop("headers", {}).items() if k != "x-stream-offset"
     }
     assert after == before
+
+
+# -- partitioned streams ---------------------------------------------------------------------------
+def test_partition_choice_is_stable_and_balanced(vh: VirtualHost) -> None:
+    queues = partition.create(vh, "orders", 4, partition.stream_arguments())
+    assert [q.name for q in queues] == ["orders-0", "orders-1", "orders-2", "orders-3"]
+    x = partition.exchange_of(vh, "orders")
+    assert x is not None
+    first = {f"key-{i}": x.partition_of(f"key-{i}") for i in range(4000)}
+    assert all(x.partition_of(k) == p for k, p in first.items())  # stable
+    counts = [list(first.values()).count(p) for p in range(4)]
+    assert all(850 <= c <= 1150 for c in counts), counts  # balanced over keys (expected 1000 each)
+    assert [x.partition_of("") for _ in range(8)] == [0, 1, 2, 3, 0, 1, 2, 3]  # round robin without a key
+
+
+def test_partitioned_publish_keeps_order_per_partition(vh: VirtualHost) -> None:
+    partition.create(vh, "p", 3, partition.stream_arguments())
+    x = vh.get_exchange("p")
+    for i in range(60):
+        m = Message("p", f"k{i % 7}", properties.EMPTY, b"%d" % i)
+        for q in vh.route(x, m):
+            q.enqueue(m)
+    per_key: dict[str, list[int]] = {}
+    for q in partition.resolve(vh, "p"):
+        bodies = [int(qm.message.body) for qm in q.entries]
+        assert bodies == sorted(bodies)
+        for qm in q.entries:
+            per_key.setdefault(qm.message.routing_key, []).append(int(qm.message.body))
+            assert partition.resolve(vh, "p")[x.partition_of(qm.message.routing_key)] is q  # type: ignore[attr-defined]
+    assert sum(len(v) for v in per_key.values()) == 60
+
+
+def test_partitioned_stream_declaration_rules(vh: VirtualHost) -> None:
+    partition.create(vh, "p", 2, partition.stream_arguments(max_age="1h"))
+    assert len(partition.create(vh, "p", 2, partition.stream_arguments(max_age="1h"))) == 2  # idempotent
+    with pytest.raises(PreconditionFailed, match="already exists as 2 partitions"):
+        partition.create(vh, "p", 3, partition.stream_arguments())
+    with pytest.raises(PreconditionFailed, match="between 1 and"):
+        partition.create(vh, "q", 0, partition.stream_arguments())
+    with pytest.raises(PreconditionFailed, match="partition index"):
+        vh.bind("p", vh.queues["p-0"], "zero", None)
+    vh.declare_queue("classic", None)
+    with pytest.raises(PreconditionFailed, match="not a stream"):
+        partition.resolve(vh, "classic")
+    assert partition.delete(vh, "p") == 0
+    assert "p" not in vh.exchanges and "p-0" not in vh.queues
