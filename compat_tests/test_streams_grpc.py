@@ -262,3 +262,28 @@ def test_group_offset_survives_restart(tmp_path: Path) -> None:
             assert {(m.stream, m.offset) for m in rest} == expected
     finally:
         node.cleanup()
+
+
+def test_cli_creates_shows_and_deletes(node: NodeProcess, client: StreamsClient) -> None:
+    import json
+    import subprocess
+
+    from compat_tests.node_process import REPO_ROOT, _python, node_env
+
+    topic = name("cli")
+
+    def cli(*args: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run([_python(), "-m", "leveret", "streams", "--grpc", f"127.0.0.1:{node.grpc_port}", *args],
+                              cwd=REPO_ROOT, env=node_env(), capture_output=True, text=True, timeout=60)
+
+    made = cli("create", topic, "--partitions", "3", "--max-age", "7D")
+    assert made.returncode == 0, made.stderr
+    assert [p["stream"] for p in json.loads(made.stdout)["partitions"]] == [f"{topic}-{i}" for i in range(3)]
+    client.publish(topic, b"x", key="a")
+    shown = json.loads(cli("info", topic).stdout)
+    assert shown["partitioned"] and sum(int(p["messages"]) for p in shown["partitions"]) == 1
+    again = cli("create", topic, "--partitions", "4", "--exist-ok")
+    assert again.returncode == 1 and "FAILED_PRECONDITION" in again.stderr
+    gone = cli("delete", topic)
+    assert gone.returncode == 0 and "1 messages dropped" in gone.stdout
+    assert cli("info", topic).returncode == 1

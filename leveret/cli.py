@@ -39,6 +39,9 @@ def build_parser() -> argparse.ArgumentParser:
     from leveret import retention
 
     retention.add_parser(sub)
+    from leveret import streams_cli
+
+    streams_cli.add_parser(sub)
     return parser
 
 
@@ -49,6 +52,10 @@ def main(argv: list[str] | None = None) -> int:
         from leveret import retention
 
         return retention.main(args, parser)
+    if args.command == "streams":
+        from leveret import streams_cli
+
+        return streams_cli.main(args, parser)
     if args.command != "serve":
         parser.print_help()
         return 2
