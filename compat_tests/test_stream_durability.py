@@ -101,3 +101,25 @@ def test_stream_log_retention_and_group_offset_survive_kill(stream_node: NodePro
         ch.basic_publish("", log, b"after", pika.BasicProperties(delivery_mode=2))
         latest = read(conn, conn.channel(), log, 1, **{"x-stream-offset": "last"})
         assert latest == [(11, b"after")]
+
+
+def test_reading_past_the_memory_window_from_the_store(tmp_path: Path, store_args: list[str]) -> None:  # noqa: F811
+    """With 4 kB of a stream in memory, older offsets are read back from the store, in order, also after kill -9."""
+    node = NodeProcess(tmp_path / "data", tmp_path / "logs", [*store_args, "--stream-memory-bytes", "4000"])
+    try:
+        node.start()
+        log = f"stream.paged.{uuid.uuid4().hex[:8]}"
+        expected = [(i, b"%04d" % i + b"." * 96) for i in range(300)]
+        with session(node) as (conn, ch):
+            ch.queue_declare(log, durable=True, arguments=STREAM)
+            for _, body in expected:
+                ch.basic_publish("", log, body, pika.BasicProperties(delivery_mode=2))
+            assert read(conn, conn.channel(), log, 300, **{"x-stream-offset": "first"}) == expected
+            assert read(conn, conn.channel(), log, 150, **{"x-stream-offset": 150}) == expected[150:]
+        node.kill()
+        node.start()
+        with session(node) as (conn, ch):
+            assert ch.queue_declare(log, passive=True).method.message_count == 300
+            assert read(conn, conn.channel(), log, 300, **{"x-stream-offset": "first"}) == expected
+    finally:
+        node.cleanup()

@@ -24,6 +24,8 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("leveret.store")
 
+RESTORE_PAGE = 10_000
+
 
 class QueueStorage:
     """One durable queue's writes, handed to the group committer."""
@@ -92,13 +94,13 @@ class Durability:
             assert q.storage is not None
             # Fence first, then load: a write from a previous owner can no longer land.
             q.storage.epoch = await self.store.claim(qr.vhost, qr.name)
+            if isinstance(q, StreamQueue):
+                messages += await self._restore_stream(q, broker.node_id)
+                continue
             stored = await self.store.load_messages(qr.vhost, qr.name)
             for sm in stored:
                 q.restore(_restored(sm, broker.node_id), sm.offset, sm.expires_at, sm.delivery_count)
             messages += len(stored)
-            if isinstance(q, StreamQueue):
-                q.committed = await self.store.load_offsets(qr.vhost, qr.name)
-                q.enforce_age()
         for br in topo.bindings:
             bvh = broker.vhosts.get(br.vhost)
             if bvh is None or br.source not in bvh.exchanges:
@@ -109,6 +111,23 @@ class Durability:
             if dest is not None:
                 bvh.bind(br.source, dest, br.routing_key, br.arguments, restoring=True)
         return len(topo.queues), messages
+
+    async def _restore_stream(self, q: StreamQueue, node: str) -> int:
+        """A stream's log in pages (only its newest part stays in memory), then its groups' offsets."""
+        assert q.storage is not None
+        loaded = 0
+        start = 0
+        while True:
+            page = await self.store.load_range(q.storage.vhost, q.storage.name, start, None, RESTORE_PAGE)
+            for sm in page:
+                q.restore(_restored(sm, node), sm.offset, None, 0)
+            loaded += len(page)
+            if len(page) < RESTORE_PAGE:
+                break
+            start = page[-1].offset + 1
+        q.committed = await self.store.load_offsets(q.storage.vhost, q.storage.name)
+        q.enforce_age()  # for the time the node was down
+        return loaded
 
     # -- topology changes (called by the vhost) -------------------------------------
     def exchange_declared(self, vhost: VirtualHost, x: Exchange) -> None:

@@ -145,6 +145,14 @@ class MessageStore(Protocol):
         """Apply a batch atomically; Fenced if any queue's epoch moved on."""
         ...
 
+    async def load_range(self, vhost: str, queue: str, start: int, below: int | None, limit: int
+                         ) -> list[StoredMessage]:
+        """Up to ``limit`` messages with ``start <= offset < below`` (no upper bound for None), in offset order.
+
+        Streams read their older part back with it, and restore in pages.
+        """
+        ...
+
     async def load_offsets(self, vhost: str, queue: str) -> dict[str, int]:
         """A stream's consumer groups and their committed offsets."""
         ...

@@ -15,23 +15,39 @@ after it. The active member of a group on partition ``p`` of a partitioned
 stream is member ``p mod n`` (in order of joining), so the members of a group
 split a partitioned stream's partitions between them.
 
-The retained log is kept in memory (bounded by the stream's retention); the
-store holds the same messages for restarts and failover.
+The store holds every retained message (restarts, failover); memory holds
+only the newest ``memory_limit`` bytes of a durable stream. A reader behind
+that reads pages back from the store (``MessageStore.load_range``) and then
+goes on from memory; the offsets, sizes and times of the store-only part are
+kept in a compact index (core/stream_index.py) for retention and timestamp
+lookups.
 """
 
 from __future__ import annotations
 
+import asyncio
 import bisect
+import logging
 import re
 from collections import deque
 from collections.abc import Iterable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from core.clock import TimerHandle
 from core.errors import NotImplementedFeature
 from core.message import Message, QueuedMessage
 from core.queue import Consumer, Queue, QueueChannel
+from core.store import StoredMessage, StoreError
 from core.stream_args import OffsetSpec
+from core.stream_index import StoredIndex
+
+if TYPE_CHECKING:
+    from core.durability import QueueStorage
+
+log = logging.getLogger("leveret.core")
+
+# Messages read from the store at once for a reader behind the in-memory log.
+PAGE = 2000
 
 # Compact the log list once this many retained-out entries sit at its front.
 _COMPACT_AT = 4096
@@ -47,6 +63,14 @@ def _offset(qm: QueuedMessage) -> int:
 
 def _timestamp(qm: QueuedMessage) -> float:
     return qm.message.timestamp
+
+
+def _queued(sm: StoredMessage) -> QueuedMessage:
+    """A message read back from the store, at its offset."""
+    m = Message(sm.exchange, sm.routing_key, sm.properties, sm.body)
+    m.timestamp = sm.enqueued_at
+    m.id = sm.message_id
+    return QueuedMessage(m, sm.offset)
 
 
 class StreamReader(QueueChannel):
@@ -66,7 +90,11 @@ class StreamReader(QueueChannel):
         super().__init__(stream, name)
         self.cursor = cursor  # offset of the next message to deliver
         self.group = group
+        self.closed = False
         self._active: Consumer | None = None
+        # Messages read back from the store for a cursor below the in-memory log.
+        self._page: deque[QueuedMessage] = deque()
+        self._loading = False
         # Group offset tracking: offsets delivered to the active member in order,
         # and those of them settled out of order.
         self._track = group is not None and commit_on_settle
@@ -95,21 +123,78 @@ class StreamReader(QueueChannel):
         stream = self.queue
         self._dispatching = True
         try:
-            entries = stream.entries
-            pos = stream.position(self.cursor)
             sink = c.sink
-            track = self._track
-            while pos < len(entries) and sink.has_credit(c):
-                qm = entries[pos]
-                pos += 1
-                self.cursor = qm.offset + 1
-                self.unacked += 1
-                c.unacked += 1
-                if track:
-                    self._inflight.append(qm.offset)
-                sink.deliver(c, qm)
+            while sink.has_credit(c):
+                page = self._page
+                if page:
+                    qm = page.popleft()
+                    if qm.offset >= self.cursor and qm.offset >= stream.first_offset:
+                        self._send(c, qm)
+                    continue
+                if self.cursor < stream.mem_first:
+                    self.cursor = max(self.cursor, stream.first_offset)
+                    if self.cursor < stream.mem_first:
+                        self._fetch()  # older than what memory holds: read a page from the store
+                        break
+                entries = stream.entries
+                pos = stream.position(self.cursor)
+                track = self._track
+                while pos < len(entries) and sink.has_credit(c):
+                    qm = entries[pos]
+                    pos += 1
+                    self.cursor = qm.offset + 1
+                    self.unacked += 1
+                    c.unacked += 1
+                    if track:
+                        self._inflight.append(qm.offset)
+                    sink.deliver(c, qm)
+                break
         finally:
             self._dispatching = False
+
+    def _send(self, c: Consumer, qm: QueuedMessage) -> None:
+        self.cursor = qm.offset + 1
+        self.unacked += 1
+        c.unacked += 1
+        if self._track:
+            self._inflight.append(qm.offset)
+        c.sink.deliver(c, qm)
+
+    def seek(self, offset: int) -> None:
+        self.cursor = offset
+        self._page.clear()
+
+    # -- reading the store for what memory no longer holds ------------------------------
+    def _fetch(self) -> None:
+        if self._loading:
+            return
+        storage = self.queue.storage
+        if storage is None:  # nothing is evicted without a store; be safe anyway
+            self.cursor = self.queue.mem_first
+            return
+        self._loading = True
+        asyncio.get_running_loop().create_task(self._load(storage, self.cursor, self.queue.mem_first))
+
+    async def _load(self, storage: QueueStorage, start: int, below: int) -> None:
+        rows = None
+        try:
+            rows = await storage.committer.store.load_range(storage.vhost, storage.name, start, below, PAGE)
+        except StoreError as exc:
+            log.warning("stream read from the store failed; retrying",
+                        extra={"vhost": storage.vhost, "queue": storage.name, "error": str(exc)})
+            await asyncio.sleep(1.0)
+        finally:
+            self._loading = False
+        if self.closed or self.queue.deleted:
+            return
+        if rows is not None and self.cursor == start:  # not moved meanwhile (a group hand-over)
+            if rows:
+                self._page.extend(_queued(sm) for sm in rows)
+            else:
+                # Nothing stored in [start, below): removed by retention meanwhile, or a batch the
+                # store refused (its publishers were nacked). Go on after the gap.
+                self.cursor = below
+        self.dispatch()
 
     # -- settlement: acks only move credit (and a group's committed offset) ---------
     def settle(self, qm: QueuedMessage, consumer: Consumer | None) -> None:
@@ -166,12 +251,12 @@ class StreamReader(QueueChannel):
             if self._track:
                 if self._inflight:
                     # The previous active member's unacknowledged messages go to the next one.
-                    self.cursor = self._inflight[0]
+                    self.seek(self._inflight[0])
             else:
                 # Offsets are committed explicitly: the next member starts after the last commit.
                 committed = self.queue.committed.get(self.group)
                 if committed is not None:
-                    self.cursor = committed + 1
+                    self.seek(committed + 1)
         self._inflight.clear()
         self._acked.clear()
 
@@ -180,6 +265,7 @@ class StreamReader(QueueChannel):
         return self._active
 
     def cancel_all(self) -> None:
+        self.closed = True
         consumers = list(self.consumers)
         self.consumers.clear()
         self._active = None
@@ -190,11 +276,19 @@ class StreamReader(QueueChannel):
 class StreamQueue(Queue):
     """``x-queue-type: stream``: messages stay, readers move."""
 
+    # Bytes of message bodies a durable stream keeps in memory (the newest ones);
+    # older retained messages are read back from the store in pages. Set by the node
+    # (--stream-memory-bytes).
+    memory_limit = 64 * 1024 * 1024
+
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
-        self.entries: list[QueuedMessage] = []
-        self.head = 0  # entries before it were removed by retention
-        self.log_bytes = 0
+        self._truncated = -1  # the first-kept offset last sent to the store
+        self.entries: list[QueuedMessage] = []  # the newest part of the log, in memory
+        self.head = 0  # entries before it were removed by retention or evicted to the store only
+        self.stored = StoredIndex()  # retained but only in the store (oldest part)
+        self.log_bytes = 0  # every retained message
+        self.mem_bytes = 0  # those in memory
         self.readers: list[StreamReader] = []
         self.groups: dict[str, StreamReader] = {}
         self.committed: dict[str, int] = {}
@@ -205,6 +299,14 @@ class StreamQueue(Queue):
     # -- the log -----------------------------------------------------------------------
     @property
     def first_offset(self) -> int:
+        """The oldest retained message (in memory or only in the store)."""
+        if self.stored:
+            return self.stored.first
+        return self.mem_first
+
+    @property
+    def mem_first(self) -> int:
+        """The oldest message held in memory."""
         return self.entries[self.head].offset if self.head < len(self.entries) else self.next_offset
 
     def position(self, offset: int) -> int:
@@ -233,9 +335,15 @@ class StreamQueue(Queue):
         if kind == "first":
             return self.first_offset
         if kind == "last":
-            return self.entries[-1].offset if self.head < len(self.entries) else self.next_offset
+            if self.head < len(self.entries):
+                return self.entries[-1].offset
+            return self.stored.last if self.stored else self.next_offset
         if kind == "offset":
             return min(max(int(spec.value), self.first_offset), self.next_offset)
+        if self.stored and self.stored.newest_stamp >= spec.value:
+            found = self.stored.at_time(spec.value)
+            if found is not None:
+                return found
         pos = bisect.bisect_left(self.entries, spec.value, self.head, len(self.entries), key=_timestamp)
         return self.entries[pos].offset if pos < len(self.entries) else self.next_offset
 
@@ -261,21 +369,46 @@ class StreamQueue(Queue):
 
     def _append(self, qm: QueuedMessage) -> None:
         self.entries.append(qm)
-        self.log_bytes += len(qm.message.body)
+        size = len(qm.message.body)
+        self.log_bytes += size
+        self.mem_bytes += size
         a = self.args
         if a.max_length_bytes is not None and self.log_bytes > a.max_length_bytes:
             self._trim_to_bytes(a.max_length_bytes)
         if a.max_age is not None and self._age_timer is None:
             self._arm_age()
+        if self.mem_bytes > self.memory_limit and self.storage is not None:
+            self._evict()
+
+    def _evict(self) -> None:
+        """Keep only the newest ``memory_limit`` bytes in memory; the rest is read from the store."""
+        entries = self.entries
+        head = self.head
+        last = len(entries) - 1
+        stored = self.stored
+        limit = self.memory_limit
+        while head < last and self.mem_bytes > limit:
+            qm = entries[head]
+            size = len(qm.message.body)
+            stored.add(qm.offset, size, qm.message.timestamp)
+            self.mem_bytes -= size
+            head += 1
+        self.head = head
+        self._compact()
 
     # -- retention -----------------------------------------------------------------------
     def _trim_to_bytes(self, limit: int) -> None:
+        stored = self.stored
+        while stored and self.log_bytes > limit:
+            self.log_bytes -= stored.pop_oldest()
         entries = self.entries
         head = self.head
         last = len(entries) - 1
         # The newest message always stays (RabbitMQ never removes the segment being written).
         while head < last and self.log_bytes > limit:
-            self.log_bytes -= len(entries[head].message.body)
+            size = len(entries[head].message.body)
+            self.log_bytes -= size
+            self.mem_bytes -= size
             head += 1
         self._drop_to(head)
 
@@ -285,29 +418,48 @@ class StreamQueue(Queue):
         if max_age is None:
             return
         cutoff = self.scheduler.now() - max_age
+        stored = self.stored
+        while stored and stored.oldest_stamp < cutoff:
+            self.log_bytes -= stored.pop_oldest()
         entries = self.entries
         head = self.head
         while head < len(entries) and entries[head].message.timestamp < cutoff:
-            self.log_bytes -= len(entries[head].message.body)
+            size = len(entries[head].message.body)
+            self.log_bytes -= size
+            self.mem_bytes -= size
             head += 1
         self._drop_to(head)
 
     def _drop_to(self, head: int) -> None:
-        if head == self.head:
+        """Retention removed everything below ``head`` (and maybe some of the store-only part)."""
+        first = self.first_offset
+        if head == self.head and first == self._truncated:
             return
         for qm in self.entries[self.head : head]:
             qm.persisted = False
         self.head = head
-        if self.storage is not None:
-            self.storage.truncate(self.first_offset)
+        first = self.first_offset
+        if self.storage is not None and first != self._truncated:
+            self.storage.truncate(first)
+        self._truncated = first
+        self._compact()
+
+    def _compact(self) -> None:
+        head = self.head
         if head >= _COMPACT_AT and head * 2 >= len(self.entries):
             del self.entries[:head]
             self.head = 0
 
     def _arm_age(self) -> None:
-        if self.head >= len(self.entries) or self.deleted or self.args.max_age is None:
+        if self.deleted or self.args.max_age is None:
             return
-        due = self.entries[self.head].message.timestamp + self.args.max_age
+        if self.stored:
+            oldest = self.stored.oldest_stamp
+        elif self.head < len(self.entries):
+            oldest = self.entries[self.head].message.timestamp
+        else:
+            return
+        due = oldest + self.args.max_age
         delay = max(0.0, due - self.scheduler.now()) + _AGE_SLACK
         self._age_timer = self.scheduler.call_later(delay, self._on_age_timer)
 
@@ -336,6 +488,7 @@ class StreamQueue(Queue):
         return r
 
     def reader_closed(self, reader: StreamReader) -> None:
+        reader.closed = True
         if reader in self.readers:
             self.readers.remove(reader)
         if reader.group is not None and self.groups.get(reader.group) is reader:
@@ -358,7 +511,7 @@ class StreamQueue(Queue):
     # -- what a classic queue does that a stream refuses or reports differently -----------------
     @property
     def message_count(self) -> int:
-        return len(self.entries) - self.head
+        return len(self.stored) + len(self.entries) - self.head
 
     @property
     def consumer_count(self) -> int:
@@ -384,5 +537,6 @@ class StreamQueue(Queue):
             r.cancel_all()
         self.entries = []
         self.head = 0
-        self.log_bytes = 0
+        self.stored.clear()
+        self.log_bytes = self.mem_bytes = 0
         return count

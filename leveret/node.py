@@ -41,6 +41,7 @@ class Node:
             ),
         )
         self.grpc = GRPCServer(self.broker, config.max_message_size)
+        StreamQueue.memory_limit = config.stream_memory_bytes
 
     def _make_store(self) -> MessageStore:
         cfg = self.config
@@ -107,7 +108,7 @@ class Node:
         # A stream's retained log is held in memory too (core/stream.py): it counts.
         return sum(
             ch.ready_bytes for vh in self.broker.vhosts.values() for q in vh.queues.values() for ch in q.channels
-        ) + sum(q.log_bytes for vh in self.broker.vhosts.values() for q in vh.queues.values()
+        ) + sum(q.mem_bytes for vh in self.broker.vhosts.values() for q in vh.queues.values()
                 if isinstance(q, StreamQueue))
 
     async def _watch_memory(self) -> None:

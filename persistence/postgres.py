@@ -418,6 +418,20 @@ class PostgresStore:
                     (vhosts, queues, groups, offsets),
                 )
 
+    async def load_range(self, vhost: str, queue: str, start: int, below: int | None, limit: int
+                         ) -> list[StoredMessage]:
+        with self._guard(f"reading the messages of {vhost}/{queue} from offset {start}"):
+            async with self._connection() as conn:
+                cur = conn.cursor(binary=True)
+                await cur.execute(
+                    'SELECT "offset", message_id, exchange, routing_key, properties, body, enqueued_at, expires_at,'
+                    " delivery_count FROM messages WHERE vhost = %s AND queue = %s AND \"offset\" >= %s"
+                    " AND \"offset\" < %s AND state = 'ready' ORDER BY \"offset\" LIMIT %s",
+                    (vhost, queue, start, below if below is not None else 2**63 - 1, limit),
+                )
+                rows = await cur.fetchall()
+        return [StoredMessage(vhost, queue, *row) for row in rows]
+
     async def load_offsets(self, vhost: str, queue: str) -> dict[str, int]:
         with self._guard(f"loading the group offsets of {vhost}/{queue}"):
             async with self._connection() as conn:

@@ -260,6 +260,21 @@ class SQLiteStore:
 
         await self._run(commit)
 
+    async def load_range(self, vhost: str, queue: str, start: int, below: int | None, limit: int
+                         ) -> list[StoredMessage]:
+        def load(db: sqlite3.Connection) -> list[StoredMessage]:
+            return [
+                StoredMessage(vhost, queue, *row)
+                for row in db.execute(
+                    'SELECT "offset", message_id, exchange, routing_key, properties, body, enqueued_at, expires_at,'
+                    ' delivery_count FROM messages WHERE vhost = ? AND queue = ? AND "offset" >= ?'
+                    ' AND "offset" < ? AND state = \'ready\' ORDER BY "offset" LIMIT ?',
+                    (vhost, queue, start, below if below is not None else 2**63 - 1, limit),
+                )
+            ]
+
+        return await self._run(load)
+
     async def load_offsets(self, vhost: str, queue: str) -> dict[str, int]:
         def load(db: sqlite3.Connection) -> dict[str, int]:
             rows = db.execute(

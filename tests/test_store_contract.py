@@ -688,3 +688,14 @@ async def test_fenced_batch_writes_no_group_offset(store: MessageStore) -> None:
         await store.commit(Batch(epochs=epochs, truncations=[(VHOST, "s", 2)], offsets={(VHOST, "s", "g"): 2}))
     assert await offsets(store, "s") == [0, 1, 2]
     assert await store.load_offsets(VHOST, "s") == {"g": 0}
+
+
+async def test_load_range_pages_in_offset_order(store: MessageStore) -> None:
+    epochs = await claimed(store, "s", "other")
+    await store.commit(Batch(epochs=epochs, appends=[message("s", i) for i in (3, 1, 2, 5, 8, 9)]
+                             + [message("other", 4)]))
+    assert [m.offset for m in await store.load_range(VHOST, "s", 0, None, 100)] == [1, 2, 3, 5, 8, 9]
+    assert [m.offset for m in await store.load_range(VHOST, "s", 2, 9, 100)] == [2, 3, 5, 8]
+    page = await store.load_range(VHOST, "s", 2, None, 2)
+    assert page == [message("s", 2), message("s", 3)]  # every field, as stored
+    assert await store.load_range(VHOST, "s", 10, None, 5) == []

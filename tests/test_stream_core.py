@@ -2,21 +2,27 @@
 
 from __future__ import annotations
 
+import asyncio
 import datetime
 import time
+from pathlib import Path
 from typing import Any
 
 import pytest
 
 from amqp_frontend.stream_consumer import with_stream_offset
 from core import partition, properties
+from core.broker import Broker
 from core.clock import ManualScheduler
+from core.durability import Durability
 from core.errors import NotImplementedFeature, PreconditionFailed
+from core.group_commit import GroupCommitter
 from core.message import Message
 from core.queue import Consumer
 from core.stream import StreamQueue
 from core.stream_args import FIRST, LAST, NEXT, OffsetSpec, parse_age, parse_offset
 from core.vhost import VirtualHost
+from persistence.sqlite import SQLiteStore
 from tests.test_queue import FakeSink
 
 
@@ -265,3 +271,63 @@ def test_partitioned_stream_declaration_rules(vh: VirtualHost) -> None:
         partition.resolve(vh, "classic")
     assert partition.delete(vh, "p") == 0
     assert "p" not in vh.exchanges and "p-0" not in vh.queues
+
+
+# -- the log beyond memory: read back from the store -------------------------------------------------
+async def _durable_broker(path: Path) -> tuple[Broker, GroupCommitter, SQLiteStore]:
+    store = SQLiteStore(str(path))
+    await store.open()
+    committer = GroupCommitter(store)
+    broker = Broker()
+    await Durability(store, committer).restore(broker)
+    return broker, committer, store
+
+
+async def _wait_for(predicate: Any, timeout: float = 5.0) -> None:
+    deadline = asyncio.get_running_loop().time() + timeout
+    while not predicate():
+        assert asyncio.get_running_loop().time() < deadline, "timed out"
+        await asyncio.sleep(0.01)
+
+
+async def test_old_offsets_are_read_back_from_the_store(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(StreamQueue, "memory_limit", 1000)
+    monkeypatch.setattr("core.stream.PAGE", 7)  # several pages per read
+    broker, committer, store = await _durable_broker(tmp_path / "s.sqlite3")
+    vh = broker.vhosts["/"]
+    q = stream(vh, **{"x-max-length-bytes": 5000})
+    publish(q, 100, size=100)
+    await committer.drain()
+    # Retention keeps the newest 5000 bytes (offsets 50..99); memory holds the newest 1000 of them.
+    assert (q.message_count, q.first_offset, q.mem_first, q.mem_bytes, q.log_bytes) == (50, 50, 90, 1000, 5000)
+    sink = FakeSink()
+    c = read(q, FIRST, sink, group="g")
+    await _wait_for(lambda: len(sink.delivered) == 50)
+    assert offsets(sink) == list(range(50, 100))
+    assert [qm.message.body[:2] for _, qm in sink.delivered[:2]] == [b"50", b"51"]
+    for _, qm in sink.delivered[:30]:
+        c.channel.settle(qm, c)
+    # A timestamp inside the store-only part, and a reader that retention overtakes while it reads.
+    assert q.resolve(OffsetSpec("timestamp", q.stored.stamps[q.stored.head + 3])) <= 53
+    slow = FakeSink({"s": 5})
+    cs = read(q, OffsetSpec("offset", 55), slow, "s")
+    await _wait_for(lambda: len(slow.delivered) == 5)
+    publish(q, 30, size=100, start=100)  # retention now keeps 80..129
+    slow.credit["s"] = None
+    cs.channel.dispatch()
+    await _wait_for(lambda: offsets(slow)[-1] == 129)
+    assert offsets(slow) == [55, 56, 57, 58, 59, *range(80, 130)]
+    await committer.drain()
+    await store.close()
+
+    # After a restart only the newest part is loaded into memory; the group resumes after 79.
+    broker2, committer2, store2 = await _durable_broker(tmp_path / "s.sqlite3")
+    q2 = broker2.vhosts["/"].queues["s"]
+    assert isinstance(q2, StreamQueue)
+    assert (q2.first_offset, q2.next_offset, q2.mem_bytes) == (80, 130, 1000)
+    assert q2.committed == {"g": 79}
+    again = FakeSink()
+    read(q2, FIRST, again, group="g")
+    await _wait_for(lambda: len(again.delivered) == 50)
+    assert offsets(again) == list(range(80, 130))
+    await store2.close()
