@@ -28,6 +28,7 @@ from pamqp import commands
 from bench import loop
 from bench.codec import encode_publish
 from bench.connection import Connection
+from bench.cpu import CpuWatch, broker_pid_of
 from bench.ops import cleanup, confirm_select, open_channel, qos, unique_name
 from bench.results import Metric, RunOptions
 from bench.target import Target
@@ -94,16 +95,19 @@ async def _read(target: Target, queue: str, count: int, arguments: dict[str, Any
 
 async def _run(target: Target, opts: RunOptions) -> tuple[list[Metric], dict[str, object]]:
     stream, classic = unique_name("stream", "log"), unique_name("stream", "classic")
+    cpu = CpuWatch(broker_pid_of(target))
     setup = await Connection.open(target.url)
     try:
         ch = await open_channel(setup)
         await _declare(setup, ch, stream, {"x-queue-type": "stream"})
         await _declare(setup, ch, classic, None)
+        cpu.start()  # over all four phases: the harness keeps the least disturbed run
         n, stream_pub = await _publish(target, stream, seconds=opts.duration)
         n2, classic_pub = await _publish(target, classic, count=n)
         assert n2 == n
         stream_read = await _read(target, stream, n, {"x-stream-offset": "first"})
         classic_read = await _read(target, classic, n, None)
+        cpu_split = cpu.stop_dict()
     finally:
         try:
             await cleanup(setup, queues=[stream, classic], exchanges=[])
@@ -115,7 +119,8 @@ async def _run(target: Target, opts: RunOptions) -> tuple[list[Metric], dict[str
         Metric("stream read from first", n / stream_read, "msg/s"),
         Metric("classic consume", n / classic_read, "msg/s"),
     ]
-    return metrics, {"messages": n, "read_ratio_stream_over_classic": round(classic_read / stream_read, 3)}
+    return metrics, {"messages": n, "read_ratio_stream_over_classic": round(classic_read / stream_read, 3),
+                     "cpu": cpu_split}
 
 
 def run(target: Target, opts: RunOptions) -> tuple[list[Metric], dict[str, object]]:
