@@ -91,10 +91,23 @@ class StreamSink:
             conn.write(codec.deliver_frame(ch.number, tag_raw, tag, False, m.exchange, m.routing_key))
             conn.write_content(ch.number, props, m.body)
             return
-        cache = m.wire_cache
-        route_raw = cache[2] if cache is not None else codec.shortstr(m.exchange) + codec.shortstr(m.routing_key)
+        route_raw = _route_raw(m.exchange, m.routing_key)
         content = b"".join(codec.content_frames(ch.number, props, m.body, conn.frame_max))
         conn.write(codec.delivery(ch.number, tag_raw, tag, False, route_raw, content))
+
+
+_routes: dict[tuple[str, str], bytes] = {}
+
+
+def _route_raw(exchange: str, routing_key: str) -> bytes:
+    """Exchange and routing key as shortstrs; a stream has few distinct ones, so they are cached."""
+    key = (exchange, routing_key)
+    raw = _routes.get(key)
+    if raw is None:
+        if len(_routes) > 4096:
+            _routes.clear()
+        raw = _routes[key] = codec.shortstr(exchange) + codec.shortstr(routing_key)
+    return raw
 
 
 def _name(q: Queue) -> str:
