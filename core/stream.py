@@ -33,6 +33,7 @@ from collections import deque
 from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any
 
+from core import properties
 from core.clock import TimerHandle
 from core.errors import NotImplementedFeature
 from core.message import Message, QueuedMessage
@@ -65,9 +66,19 @@ def _timestamp(qm: QueuedMessage) -> float:
     return qm.message.timestamp
 
 
+_summaries: dict[bytes, properties.PropertySummary] = {}
+
+
 def _queued(sm: StoredMessage) -> QueuedMessage:
     """A message read back from the store, at its offset."""
-    m = Message(sm.exchange, sm.routing_key, sm.properties, sm.body)
+    # Most messages of a stream carry the same few property encodings: scan each once.
+    props = sm.properties
+    summary = _summaries.get(props)
+    if summary is None:
+        if len(_summaries) > 4096:
+            _summaries.clear()
+        summary = _summaries[props] = properties.scan(props)
+    m = Message(sm.exchange, sm.routing_key, props, sm.body, summary)
     m.timestamp = sm.enqueued_at
     m.id = sm.message_id
     return QueuedMessage(m, sm.offset)
@@ -95,6 +106,7 @@ class StreamReader(QueueChannel):
         # Messages read back from the store for a cursor below the in-memory log.
         self._page: deque[QueuedMessage] = deque()
         self._loading = False
+        self._seeks = 0  # a page loaded before a seek is stale
         # Group offset tracking: offsets delivered to the active member in order,
         # and those of them settled out of order.
         self._track = group is not None and commit_on_settle
@@ -124,17 +136,20 @@ class StreamReader(QueueChannel):
         self._dispatching = True
         try:
             sink = c.sink
+            first = stream.first_offset  # retention cannot run while this loop does
             while sink.has_credit(c):
                 page = self._page
                 if page:
                     qm = page.popleft()
-                    if qm.offset >= self.cursor and qm.offset >= stream.first_offset:
+                    if qm.offset >= self.cursor and qm.offset >= first:
                         self._send(c, qm)
+                    if len(page) == PAGE // 2 and page[-1].offset + 1 < stream.mem_first:
+                        self._fetch(page[-1].offset + 1)  # read ahead while half a page is left
                     continue
                 if self.cursor < stream.mem_first:
                     self.cursor = max(self.cursor, stream.first_offset)
                     if self.cursor < stream.mem_first:
-                        self._fetch()  # older than what memory holds: read a page from the store
+                        self._fetch(self.cursor)  # older than what memory holds: read a page from the store
                         break
                 entries = stream.entries
                 pos = stream.position(self.cursor)
@@ -163,9 +178,11 @@ class StreamReader(QueueChannel):
     def seek(self, offset: int) -> None:
         self.cursor = offset
         self._page.clear()
+        self._seeks += 1
 
     # -- reading the store for what memory no longer holds ------------------------------
-    def _fetch(self) -> None:
+    def _fetch(self, start: int) -> None:
+        """Load the page from ``start`` (the cursor, or just after the page being delivered)."""
         if self._loading:
             return
         storage = self.queue.storage
@@ -173,9 +190,9 @@ class StreamReader(QueueChannel):
             self.cursor = self.queue.mem_first
             return
         self._loading = True
-        asyncio.get_running_loop().create_task(self._load(storage, self.cursor, self.queue.mem_first))
+        asyncio.get_running_loop().create_task(self._load(storage, start, self.queue.mem_first, self._seeks))
 
-    async def _load(self, storage: QueueStorage, start: int, below: int) -> None:
+    async def _load(self, storage: QueueStorage, start: int, below: int, seeks: int) -> None:
         rows = None
         try:
             rows = await storage.committer.store.load_range(storage.vhost, storage.name, start, below, PAGE)
@@ -187,10 +204,10 @@ class StreamReader(QueueChannel):
             self._loading = False
         if self.closed or self.queue.deleted:
             return
-        if rows is not None and self.cursor == start:  # not moved meanwhile (a group hand-over)
+        if rows is not None and seeks == self._seeks:  # not moved meanwhile (a group hand-over)
             if rows:
                 self._page.extend(_queued(sm) for sm in rows)
-            else:
+            elif not self._page and self.cursor == start:
                 # Nothing stored in [start, below): removed by retention meanwhile, or a batch the
                 # store refused (its publishers were nacked). Go on after the gap.
                 self.cursor = below
