@@ -47,8 +47,10 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("leveret.core")
 
-# Messages read from the store at once for a reader behind the in-memory log.
-PAGE = 2000
+# A reader behind the in-memory log reads this many messages from the store at once,
+# fewer when their bodies add up to PAGE_BYTES (1 MiB bodies: 4 a page, not 5000).
+PAGE = 5000
+PAGE_BYTES = 4 * 1024 * 1024
 
 # Compact the log list once this many retained-out entries sit at its front.
 _COMPACT_AT = 4096
@@ -107,6 +109,7 @@ class StreamReader(QueueChannel):
         self._page: deque[QueuedMessage] = deque()
         self._loading = False
         self._seeks = 0  # a page loaded before a seek is stale
+        self._ahead_at = 0  # read the next page once the current one is down to this many
         # Group offset tracking: offsets delivered to the active member in order,
         # and those of them settled out of order.
         self._track = group is not None and commit_on_settle
@@ -143,7 +146,7 @@ class StreamReader(QueueChannel):
                     qm = page.popleft()
                     if qm.offset >= self.cursor and qm.offset >= first:
                         self._send(c, qm)
-                    if len(page) == PAGE // 2 and page[-1].offset + 1 < stream.mem_first:
+                    if len(page) == self._ahead_at and page[-1].offset + 1 < stream.mem_first:
                         self._fetch(page[-1].offset + 1)  # read ahead while half a page is left
                     continue
                 if self.cursor < stream.mem_first:
@@ -190,12 +193,13 @@ class StreamReader(QueueChannel):
             self.cursor = self.queue.mem_first
             return
         self._loading = True
-        asyncio.get_running_loop().create_task(self._load(storage, start, self.queue.mem_first, self._seeks))
+        limit = self.queue.page_limit(start)
+        asyncio.get_running_loop().create_task(self._load(storage, start, self.queue.mem_first, limit, self._seeks))
 
-    async def _load(self, storage: QueueStorage, start: int, below: int, seeks: int) -> None:
+    async def _load(self, storage: QueueStorage, start: int, below: int, limit: int, seeks: int) -> None:
         rows = None
         try:
-            rows = await storage.committer.store.load_range(storage.vhost, storage.name, start, below, PAGE)
+            rows = await storage.committer.store.load_range(storage.vhost, storage.name, start, below, limit)
         except StoreError as exc:
             log.warning("stream read from the store failed; retrying",
                         extra={"vhost": storage.vhost, "queue": storage.name, "error": str(exc)})
@@ -207,6 +211,7 @@ class StreamReader(QueueChannel):
         if rows is not None and seeks == self._seeks:  # not moved meanwhile (a group hand-over)
             if rows:
                 self._page.extend(_queued(sm) for sm in rows)
+                self._ahead_at = max(1, len(rows) // 2)
             elif not self._page and self.cursor == start:
                 # Nothing stored in [start, below): removed by retention meanwhile, or a batch the
                 # store refused (its publishers were nacked). Go on after the gap.
@@ -343,6 +348,22 @@ class StreamQueue(Queue):
             return n
         # Offsets have a gap (a batch the store refused before a restart).
         return bisect.bisect_left(entries, offset, head, n, key=_offset)
+
+    def page_limit(self, start: int) -> int:
+        """How many messages from ``start`` make a page: PAGE, or fewer within PAGE_BYTES (at least one)."""
+        stored = self.stored
+        sizes = stored.sizes
+        pos = bisect.bisect_left(stored.offsets, start, stored.head)
+        end = min(len(sizes), pos + PAGE)
+        total = 0
+        n = 0
+        while pos < end:
+            total += sizes[pos]
+            n += 1
+            pos += 1
+            if total >= PAGE_BYTES:
+                break
+        return max(1, n) if n else PAGE
 
     def resolve(self, spec: OffsetSpec) -> int:
         """The offset a new reader starts at."""

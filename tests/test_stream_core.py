@@ -331,3 +331,29 @@ async def test_old_offsets_are_read_back_from_the_store(tmp_path: Path, monkeypa
     await _wait_for(lambda: len(again.delivered) == 50)
     assert offsets(again) == list(range(80, 130))
     await store2.close()
+
+
+async def test_pages_are_bounded_by_bytes(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(StreamQueue, "memory_limit", 500)
+    monkeypatch.setattr("core.stream.PAGE_BYTES", 250)
+    broker, committer, store = await _durable_broker(tmp_path / "s.sqlite3")
+    q = stream(broker.vhosts["/"])
+    publish(q, 40, size=100)
+    await committer.drain()
+    assert (q.mem_first, len(q.stored)) == (35, 35)
+    assert q.page_limit(0) == 3  # 300 bytes reach the 250-byte budget
+    assert q.page_limit(34) == 1
+    loads: list[int] = []
+    real = store.load_range
+
+    async def counting(vhost: str, queue: str, start: int, below: int | None, limit: int) -> Any:
+        loads.append(limit)
+        return await real(vhost, queue, start, below, limit)
+
+    monkeypatch.setattr(store, "load_range", counting)
+    sink = FakeSink()
+    read(q, FIRST, sink)
+    await _wait_for(lambda: len(sink.delivered) == 40)
+    assert offsets(sink) == list(range(40))
+    assert max(loads) == 3 and len(loads) >= 12
+    await store.close()
