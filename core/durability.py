@@ -24,7 +24,9 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("leveret.store")
 
+# A stream is restored in pages of at most this many messages, and about this many bytes.
 RESTORE_PAGE = 10_000
+RESTORE_PAGE_BYTES = 8 * 1024 * 1024
 
 
 class QueueStorage:
@@ -117,14 +119,18 @@ class Durability:
         assert q.storage is not None
         loaded = 0
         start = 0
+        limit = 256  # grows while pages stay small, shrinks for large bodies
         while True:
-            page = await self.store.load_range(q.storage.vhost, q.storage.name, start, None, RESTORE_PAGE)
+            page = await self.store.load_range(q.storage.vhost, q.storage.name, start, None, limit)
+            size = 0
             for sm in page:
                 q.restore(_restored(sm, node), sm.offset, None, 0)
+                size += len(sm.body)
             loaded += len(page)
-            if len(page) < RESTORE_PAGE:
+            if len(page) < limit:
                 break
             start = page[-1].offset + 1
+            limit = min(limit * 2, RESTORE_PAGE) if size < RESTORE_PAGE_BYTES else max(1, limit // 2)
         q.committed = await self.store.load_offsets(q.storage.vhost, q.storage.name)
         q.enforce_age()  # for the time the node was down
         return loaded
