@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import datetime
+import os
 from typing import Any
 
 import aio_pika
@@ -56,6 +57,17 @@ async def test_offsets_of_every_kind(amqp_url: str, names: Names) -> None:
         assert [o for o, _ in await collect(queue, 3, **{"x-stream-offset": middle})] == [5, 6, 7]
         assert len(await collect(queue, 8, **{"x-stream-offset": "10m"})) == 8
 
+
+@pytest.mark.skipif(bool(os.environ.get("LEVERET_TEST_AMQP_URL")), reason="consumer groups are a Leveret extension")
+async def test_group_resumes(amqp_url: str, names: Names) -> None:
+    connection = await aio_pika.connect(amqp_url)
+    async with connection:
+        channel = await connection.channel(publisher_confirms=True)
+        await channel.set_qos(prefetch_count=50)
+        name = names.queue()
+        queue = await channel.declare_queue(name, durable=True, arguments={"x-queue-type": "stream"})
+        for i in range(8):
+            await channel.default_exchange.publish(aio_pika.Message(b"a%d" % i), routing_key=name)
         # A consumer group reads part of the stream, goes away and comes back where it stopped.
         group = {"x-stream-consumer-group": "aio", "x-stream-offset": "first"}
         partial: list[int] = []

@@ -377,7 +377,8 @@ class StreamQueue(Queue):
                 return self.entries[-1].offset
             return self.stored.last if self.stored else self.next_offset
         if kind == "offset":
-            return min(max(int(spec.value), self.first_offset), self.next_offset)
+            # Past the end, the reader waits for that offset (as RabbitMQ's does).
+            return max(int(spec.value), self.first_offset)
         if self.stored and self.stored.newest_stamp >= spec.value:
             found = self.stored.at_time(spec.value)
             if found is not None:

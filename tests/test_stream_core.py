@@ -104,7 +104,7 @@ def test_start_positions(vh: VirtualHost) -> None:
     assert q.resolve(FIRST) == q.resolve(LAST) == q.resolve(NEXT) == 0
     publish(q, 4)
     assert (q.resolve(FIRST), q.resolve(LAST), q.resolve(NEXT)) == (0, 3, 4)
-    assert q.resolve(OffsetSpec("offset", 99)) == 4
+    assert q.resolve(OffsetSpec("offset", 99)) == 99  # waits for it, as in RabbitMQ
     q.entries[2].message.timestamp = q.entries[3].message.timestamp = time.time() + 50
     assert q.resolve(OffsetSpec("timestamp", time.time() + 10)) == 2
     assert q.resolve(OffsetSpec("timestamp", time.time() + 100)) == 4
