@@ -97,7 +97,7 @@ class Durability:
             # Fence first, then load: a write from a previous owner can no longer land.
             q.storage.epoch = await self.store.claim(qr.vhost, qr.name)
             if isinstance(q, StreamQueue):
-                messages += await self._restore_stream(q, broker.node_id)
+                messages += await self.restore_stream(q, broker.node_id)
                 continue
             stored = await self.store.load_messages(qr.vhost, qr.name)
             for sm in stored:
@@ -114,8 +114,12 @@ class Durability:
                 bvh.bind(br.source, dest, br.routing_key, br.arguments, restoring=True)
         return len(topo.queues), messages
 
-    async def _restore_stream(self, q: StreamQueue, node: str) -> int:
-        """A stream's log in pages (only its newest part stays in memory), then its groups' offsets."""
+    async def restore_stream(self, q: StreamQueue, node: str) -> int:
+        """A stream's log in pages (only its newest part stays in memory), then its groups' offsets.
+
+        For an owner that has just claimed the stream's epoch: at start-up, and (in a
+        cluster) when it takes the stream over from a failed node.
+        """
         assert q.storage is not None
         loaded = 0
         start = 0

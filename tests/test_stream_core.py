@@ -357,3 +357,31 @@ async def test_pages_are_bounded_by_bytes(tmp_path: Path, monkeypatch: pytest.Mo
     assert offsets(sink) == list(range(40))
     assert max(loads) == 3 and len(loads) >= 12
     await store.close()
+
+
+async def test_a_fenced_stream_stops_serving(tmp_path: Path) -> None:
+    """Another owner claimed the stream: the next group-offset write fails whole and the stream is dropped here."""
+    store = SQLiteStore(str(tmp_path / "s.sqlite3"))
+    await store.open()
+    broker = Broker()
+    fenced: list[tuple[str, str]] = []
+
+    def on_fenced(queues: list[tuple[str, str]]) -> None:
+        fenced.extend(queues)
+        for vhost, name in queues:
+            broker.vhosts[vhost].abandon_queue(name)
+
+    committer = GroupCommitter(store, on_fenced=on_fenced)
+    await Durability(store, committer).restore(broker)
+    q = stream(broker.vhosts["/"])
+    publish(q, 3)
+    sink = FakeSink()
+    c = read(q, FIRST, sink, group="g")
+    await committer.drain()
+    await store.claim("/", "s")  # a new owner
+    c.channel.settle(sink.delivered[0][1], c)  # commits offset 0: fenced
+    await committer.drain()
+    assert fenced == [("/", "s")]
+    assert sink.cancelled == ["c"] and "s" not in broker.vhosts["/"].queues
+    assert await store.load_offsets("/", "s") == {}
+    await store.close()
