@@ -287,3 +287,28 @@ def test_cli_creates_shows_and_deletes(node: NodeProcess, client: StreamsClient)
     gone = cli("delete", topic)
     assert gone.returncode == 0 and "1 messages dropped" in gone.stdout
     assert cli("info", topic).returncode == 1
+
+
+def test_example_stream_reader_resumes(node: NodeProcess, client: StreamsClient) -> None:
+    import subprocess
+
+    from compat_tests.node_process import REPO_ROOT, _python, node_env
+
+    topic = name("example")
+    client.create_stream(topic, partitions=2)
+    for i in range(6):
+        client.publish(topic, b"order-%d" % i, key=f"c{i}")
+
+    def reader(count: int) -> list[str]:
+        done = subprocess.run(
+            [_python(), str(REPO_ROOT / "examples" / "stream_reader.py"), "--target", f"127.0.0.1:{node.grpc_port}",
+             "--topic", topic, "--group", "ex", "--count", str(count), "--idle-timeout", "3"],
+            cwd=REPO_ROOT, env=node_env(), capture_output=True, text=True, timeout=60,
+        )
+        assert done.returncode == 0, done.stderr
+        return [line.rsplit(" ", 1)[1] for line in done.stdout.splitlines() if "@" in line]
+
+    first = reader(4)
+    rest = reader(2)
+    assert len(first) == 4 and len(rest) == 2
+    assert sorted(first + rest) == [f"order-{i}" for i in range(6)]
