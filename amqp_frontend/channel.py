@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any
 from pamqp import commands
 from pamqp.base import Frame as Method
 
-from amqp_frontend import codec
+from amqp_frontend import codec, stream_consumer
 from core import direct_reply, properties
 from core.errors import (
     AccessRefused,
@@ -30,6 +30,7 @@ from core.errors import (
 from core.exchange import Exchange
 from core.message import Message, QueuedMessage
 from core.queue import Consumer, Queue, QueueChannel
+from core.stream import StreamQueue
 from core.vhost import server_generated_name
 
 if TYPE_CHECKING:
@@ -733,6 +734,9 @@ class Channel:
             self._consume_replies(tag, m)
             return
         q = self._get_queue(m.queue)
+        if isinstance(q, StreamQueue):
+            stream_consumer.consume(self, q, tag, m)
+            return
         priority = (m.arguments or {}).get("x-priority", 0)
         if isinstance(priority, bool) or not isinstance(priority, int):
             raise PreconditionFailed(f"invalid arg 'x-priority': expected an integer, got {priority!r}")
@@ -777,6 +781,7 @@ class Channel:
 
     def _basic_get(self, m: commands.Basic.Get) -> None:
         q = self._get_queue(m.queue)
+        stream_consumer.refuse_get(q)
         cluster = self.conn.broker.cluster
         if cluster is not None and q.remote is not None:
             self.conn.suspend(self, 60, 70, cluster.get(q, m.no_ack),

@@ -77,6 +77,7 @@ class NodeProcess:
         self.store_args = list(store_args)
         self.proc: subprocess.Popen[bytes] | None = None
         self.amqp_port = 0
+        self.grpc_port = 0
         self.starts = 0
         self.stderr_path = log_dir / "node-0.stderr"
 
@@ -92,10 +93,10 @@ class NodeProcess:
     def start(self) -> None:
         assert self.proc is None or self.proc.poll() is not None, "node already running"
         self.starts += 1
-        self.amqp_port, grpc_port = free_ports(2)
+        self.amqp_port, self.grpc_port = free_ports(2)
         self.log_dir.mkdir(parents=True, exist_ok=True)
         self.stderr_path = self.log_dir / f"node-{self.starts}.stderr"
-        cmd = serve_command(self.amqp_port, grpc_port, self.data_dir, self.store_args)
+        cmd = serve_command(self.amqp_port, self.grpc_port, self.data_dir, self.store_args)
         with open(self.log_dir / f"node-{self.starts}.stdout", "wb") as out, open(self.stderr_path, "wb") as err:
             self.proc = subprocess.Popen(cmd, cwd=REPO_ROOT, stdout=out, stderr=err, env=node_env())
         deadline = time.monotonic() + STARTUP_TIMEOUT

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Iterator
+from typing import Any
 
 import pika
 import pytest
@@ -136,6 +137,45 @@ def test_exclusive_queue_is_locked_to_its_connection_on_every_node(cluster: Clus
         if conn1.is_open:
             conn1.close()
         conn2.close()
+
+
+def test_stream_written_through_a_non_owner_is_read_from_its_owner(cluster: Cluster) -> None:
+    conn, ch = _channel(cluster, "n1")
+    try:
+        ch.queue_declare("sem.stream", durable=True, arguments={"x-queue-type": "stream"})
+        owner = cluster.wait_owner("sem.stream", timeout=10)
+        assert owner is not None
+        other = next(n for n in ("n1", "n2", "n3") if n != owner)
+        oconn, och = _channel(cluster, other)
+        try:
+            och.confirm_delivery()
+            for i in range(30):
+                och.basic_publish("", "sem.stream", f"s{i}".encode())
+            och.basic_qos(prefetch_count=10)
+            with pytest.raises(pika.exceptions.ChannelClosedByBroker) as info:
+                och.basic_consume("sem.stream", lambda *a: None, arguments={"x-stream-offset": "first"})
+            assert info.value.reply_code == 406 and owner in info.value.reply_text
+        finally:
+            if oconn.is_open:
+                oconn.close()
+        wconn, wch = _channel(cluster, owner)
+        try:
+            wch.basic_qos(prefetch_count=10)
+            got: list[bytes] = []
+
+            def on_message(chan: BlockingChannel, method: Any, props: Any, body: bytes) -> None:
+                got.append(body)
+                chan.basic_ack(method.delivery_tag)
+
+            wch.basic_consume("sem.stream", on_message, arguments={"x-stream-offset": "first"})
+            deadline = time.monotonic() + 10
+            while len(got) < 30 and time.monotonic() < deadline:
+                wconn.process_data_events(time_limit=0.1)
+            assert got == [f"s{i}".encode() for i in range(30)]
+        finally:
+            wconn.close()
+    finally:
+        conn.close()
 
 
 def test_status_events_report_a_lost_node_and_its_moved_queues(cluster: Cluster) -> None:

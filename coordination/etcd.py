@@ -36,7 +36,7 @@ import grpc
 from coordination.keys import Layout, decode_args, dumps, encode_args, loads
 from core import direct_reply
 from core.broker import Broker, User
-from core.durability import QueueStorage, _restored
+from core.durability import Durability, QueueStorage, _restored
 from core.errors import BrokerError, NotFound, PreconditionFailed
 from core.exchange import Exchange
 from core.forwarding import LoadingGate, NodeService, NotOwner, Peers, QueueRemote
@@ -44,6 +44,7 @@ from core.group_commit import GroupCommitter
 from core.message import Message, QueuedMessage
 from core.queue import Queue
 from core.store import Fenced, MessageStore, StoreError
+from core.stream import StreamQueue
 from core.vhost import VirtualHost
 
 log = logging.getLogger("leveret.cluster")
@@ -520,10 +521,10 @@ class EtcdCluster:
             exclusive=exclusive, auto_delete=bool(value.get("auto_delete")),
             arguments=decode_args(value.get("arguments", "")), restoring=True))
         owner = self.mirror.owners.get(vq)
-        if owner is not None and owner[0] == self.node_id:
+        if owner is not None and owner[0] == self.node_id and not self.fenced_self and not self._stopping:
             self._start_takeover(vq, owner[1])
         else:
-            self._become_remote(q, owner[0] if owner else None)
+            self._become_remote(q, owner[0] if owner and owner[0] != self.node_id else None)
             if owner is None and value.get("durable"):
                 self.mirror.orphaned_since.setdefault(vq, time.monotonic())
         self._emit("queue-created", self.node_id, vhost, name)
@@ -612,7 +613,11 @@ class EtcdCluster:
         started = time.monotonic()
         try:
             loaded = 0
-            if q.durable and not q.exclusive:
+            if isinstance(q, StreamQueue):
+                await self.store.claim(vq[0], vq[1], epoch)
+                q.storage = QueueStorage(vq[0], vq[1], self.committer, epoch)
+                loaded = await Durability(self.store, self.committer).restore_stream(q, self.broker.node_id)
+            elif q.durable and not q.exclusive:
                 # Fence first, then load: a write from a previous owner can no longer land.
                 await self.store.claim(vq[0], vq[1], epoch)
                 stored = await self.store.load_messages(vq[0], vq[1])
@@ -682,12 +687,38 @@ class EtcdCluster:
             # Nothing of it is stored: it cannot move, it goes.
             self._apply(lambda: vh._drop_queue(q))  # type: ignore[union-attr]
             return
+        if isinstance(q, StreamQueue):
+            # A stream's in-memory log and readers belong to its owner: start
+            # over with a fresh remote copy (its bindings come back with it).
+            self._recreate(vq, new_owner)
+            log.warning("stopped serving stream", extra={"vhost": vq[0], "queue": vq[1],
+                                                          "new_owner": new_owner or "-"})
+            return
         for ch in q.channels:
             ch.cancel_timers()
             ch.ready.clear()
             ch.ready_bytes = 0
         self._become_remote(q, new_owner)
         log.warning("stopped serving queue", extra={"vhost": vq[0], "queue": vq[1], "new_owner": new_owner or "-"})
+
+    def _recreate(self, vq: tuple[str, str], owner: str | None) -> None:
+        vh = self.broker.vhosts.get(vq[0])
+        meta = self.mirror.queues.get(vq)
+        q = vh.queues.get(vq[1]) if vh is not None else None
+        if vh is None or meta is None or q is None:
+            return
+        held = q.remote.detach() if q.remote is not None else []
+        self._apply(functools.partial(vh._drop_queue, q))
+        self._queue_event(vq[0], vq[1], meta)
+        fresh = vh.queues.get(vq[1])
+        if fresh is None:
+            return
+        if fresh.remote is not None:
+            fresh.remote.set_owner(owner)
+            fresh.remote.adopt(held)
+        for v, source, kind, dest, rk, args in list(self._bindings.values()):
+            if v == vq[0] and kind == "queue" and dest == vq[1] and source in vh.exchanges:
+                self._apply(functools.partial(vh.bind, source, fresh, rk, args, restoring=True))
 
     def _become_remote(self, q: Queue, owner: str | None) -> None:
         """Serve ``q`` through its owner from now on; publishes held so far follow."""

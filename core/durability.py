@@ -15,6 +15,7 @@ from core.exchange import Binding, Exchange
 from core.group_commit import GroupCommitter
 from core.message import Message, QueuedMessage
 from core.store import BindingRecord, ExchangeRecord, MessageStore, QueueRecord, StoredMessage
+from core.stream import StreamQueue
 
 if TYPE_CHECKING:
     from core.broker import Broker
@@ -22,6 +23,10 @@ if TYPE_CHECKING:
     from core.vhost import VirtualHost
 
 log = logging.getLogger("leveret.store")
+
+# A stream is restored in pages of at most this many messages, and about this many bytes.
+RESTORE_PAGE = 10_000
+RESTORE_PAGE_BYTES = 8 * 1024 * 1024
 
 
 class QueueStorage:
@@ -52,6 +57,12 @@ class QueueStorage:
 
     def delivery_count(self, qm: QueuedMessage) -> None:
         self.committer.update_delivery_count(self, qm.offset, qm.delivery_count)
+
+    def truncate(self, first_kept: int) -> None:
+        self.committer.truncate(self, first_kept)
+
+    def commit_offset(self, group: str, offset: int) -> None:
+        self.committer.set_offset(self, group, offset)
 
 
 def _is_durable_queue(q: Queue) -> bool:
@@ -85,6 +96,9 @@ class Durability:
             assert q.storage is not None
             # Fence first, then load: a write from a previous owner can no longer land.
             q.storage.epoch = await self.store.claim(qr.vhost, qr.name)
+            if isinstance(q, StreamQueue):
+                messages += await self.restore_stream(q, broker.node_id)
+                continue
             stored = await self.store.load_messages(qr.vhost, qr.name)
             for sm in stored:
                 q.restore(_restored(sm, broker.node_id), sm.offset, sm.expires_at, sm.delivery_count)
@@ -99,6 +113,31 @@ class Durability:
             if dest is not None:
                 bvh.bind(br.source, dest, br.routing_key, br.arguments, restoring=True)
         return len(topo.queues), messages
+
+    async def restore_stream(self, q: StreamQueue, node: str) -> int:
+        """A stream's log in pages (only its newest part stays in memory), then its groups' offsets.
+
+        For an owner that has just claimed the stream's epoch: at start-up, and (in a
+        cluster) when it takes the stream over from a failed node.
+        """
+        assert q.storage is not None
+        loaded = 0
+        start = 0
+        limit = 256  # grows while pages stay small, shrinks for large bodies
+        while True:
+            page = await self.store.load_range(q.storage.vhost, q.storage.name, start, None, limit)
+            size = 0
+            for sm in page:
+                q.restore(_restored(sm, node), sm.offset, None, 0)
+                size += len(sm.body)
+            loaded += len(page)
+            if len(page) < limit:
+                break
+            start = page[-1].offset + 1
+            limit = min(limit * 2, RESTORE_PAGE) if size < RESTORE_PAGE_BYTES else max(1, limit // 2)
+        q.committed = await self.store.load_offsets(q.storage.vhost, q.storage.name)
+        q.enforce_age()  # for the time the node was down
+        return loaded
 
     # -- topology changes (called by the vhost) -------------------------------------
     def exchange_declared(self, vhost: VirtualHost, x: Exchange) -> None:

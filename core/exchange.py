@@ -273,12 +273,57 @@ class ConsistentHashExchange(Exchange):
         return (self._owners[i % len(self._owners)],)
 
 
+class PartitionExchange(Exchange):
+    """``x-partition``: the partitions of a partitioned stream (core/partition.py).
+
+    Each binding's key is its partition index. A message goes to exactly one
+    partition: the hash of its routing key modulo the partition count (stable
+    for a key, across restarts and nodes), or round robin when the key is empty.
+    Unlike x-consistent-hash the partition count is fixed at creation, so a
+    plain modulo keeps the spread even and the choice predictable.
+    """
+
+    type = "x-partition"
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        self.partitions: list[Destination] = []
+        self._next = 0
+        super().__init__(*args, **kwargs)
+
+    def add_binding(self, binding: Binding) -> bool:
+        if not binding.routing_key.isdigit():
+            raise PreconditionFailed(
+                f"binding key of a partition exchange is the partition index (0, 1, ...), "
+                f"got '{binding.routing_key}'"
+            )
+        return super().add_binding(binding)
+
+    def _rebuild(self) -> None:
+        ordered = sorted(self.bindings.values(), key=lambda b: (int(b.routing_key), b.destination.name))
+        self.partitions = [b.destination for b in ordered]
+
+    def partition_of(self, routing_key: str) -> int:
+        """The partition index a message with ``routing_key`` goes to (round robin for an empty key)."""
+        n = len(self.partitions)
+        if routing_key:
+            return _ring_hash(routing_key.encode()) % n
+        i = self._next % n
+        self._next = i + 1
+        return i
+
+    def route(self, routing_key: str, message: Message) -> tuple[Destination, ...]:
+        if not self.partitions:
+            return ()
+        return (self.partitions[self.partition_of(routing_key)],)
+
+
 _TYPES: dict[str, type[Exchange]] = {
     "direct": DirectExchange,
     "fanout": FanoutExchange,
     "topic": TopicExchange,
     "headers": HeadersExchange,
     "x-consistent-hash": ConsistentHashExchange,
+    "x-partition": PartitionExchange,
 }
 
 

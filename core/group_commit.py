@@ -78,6 +78,14 @@ class GroupCommitter:
     def update_delivery_count(self, queue: QueueStorage, offset: int, count: int) -> None:
         self._pending(queue).batch.delivery_counts.append((queue.vhost, queue.name, offset, count))
 
+    def truncate(self, queue: QueueStorage, first_kept: int) -> None:
+        """Stream retention: every message of the queue below ``first_kept`` goes."""
+        self._pending(queue).batch.truncations.append((queue.vhost, queue.name, first_kept))
+
+    def set_offset(self, queue: QueueStorage, group: str, offset: int) -> None:
+        """A consumer group's committed offset; within one batch only the latest is written."""
+        self._pending(queue).batch.offsets[(queue.vhost, queue.name, group)] = offset
+
     def when_committed(self, done: Done) -> None:
         """Call ``done`` once everything added so far is committed (or failed)."""
         items = self._items

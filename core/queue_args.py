@@ -6,6 +6,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from core.errors import PreconditionFailed
+from core.stream_args import parse_stream_args
 
 OVERFLOW_MODES = ("drop-head", "reject-publish", "reject-publish-dlx")
 
@@ -22,6 +23,7 @@ class QueueArgs:
     max_priority: int | None = None
     single_active_consumer: bool = False
     queue_type: str = "classic"
+    max_age: float | None = None  # seconds; streams only (x-max-age)
 
 
 def _type_name(value: Any) -> str:
@@ -60,6 +62,10 @@ def parse_queue_args(arguments: dict[str, Any], queue: str, vhost: str) -> Queue
             raise invalid(key, f"{{unacceptable_type,{_type_name(value)}}}")
         return value
 
+    queue_type = string("x-queue-type") or "classic"
+    if queue_type == "stream":
+        sa = parse_stream_args(arguments, queue, vhost)
+        return QueueArgs(max_length_bytes=sa.max_bytes, max_age=sa.max_age, queue_type="stream")
     for key in arguments:
         if key.startswith("x-") and key not in KNOWN:
             raise PreconditionFailed(
@@ -75,9 +81,9 @@ def parse_queue_args(arguments: dict[str, Any], queue: str, vhost: str) -> Queue
     sac = arguments.get("x-single-active-consumer", False)
     if not isinstance(sac, bool):
         raise invalid("x-single-active-consumer", f"{{unacceptable_type,{_type_name(sac)}}}")
-    queue_type = string("x-queue-type") or "classic"
     if queue_type != "classic":
-        raise invalid("x-queue-type", f"queue type '{queue_type}' is not supported by this node (classic only)")
+        raise invalid("x-queue-type", f"queue type '{queue_type}' is not supported by this node "
+                                      "(classic and stream only)")
     dlrk = string("x-dead-letter-routing-key")
     dlx = string("x-dead-letter-exchange")
     if dlrk is not None and dlx is None:

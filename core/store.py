@@ -89,9 +89,14 @@ class Batch:
     removals: list[tuple[str, str, int]] = field(default_factory=list)  # (vhost, queue, offset)
     delivery_counts: list[tuple[str, str, int, int]] = field(default_factory=list)  # (vhost, queue, offset, n)
     purges: list[tuple[str, str]] = field(default_factory=list)  # (vhost, queue): drop every message
+    # Stream retention: (vhost, queue, first offset kept): drop every message below it.
+    truncations: list[tuple[str, str, int]] = field(default_factory=list)
+    # Consumer-group committed offsets: (vhost, queue, group) -> offset (latest wins).
+    offsets: dict[tuple[str, str, str], int] = field(default_factory=dict)
 
     def __len__(self) -> int:
-        return len(self.appends) + len(self.removals) + len(self.delivery_counts) + len(self.purges)
+        return (len(self.appends) + len(self.removals) + len(self.delivery_counts) + len(self.purges)
+                + len(self.truncations) + len(self.offsets))
 
 
 class MessageStore(Protocol):
@@ -115,7 +120,7 @@ class MessageStore(Protocol):
     async def save_queue(self, record: QueueRecord) -> None: ...
 
     async def delete_queue(self, vhost: str, name: str) -> None:
-        """Also deletes its messages, bindings to it and its epoch row."""
+        """Also deletes its messages, bindings to it, its epoch row and its group offsets."""
         ...
 
     async def save_binding(self, record: BindingRecord) -> None: ...
@@ -138,4 +143,16 @@ class MessageStore(Protocol):
 
     async def commit(self, batch: Batch) -> None:
         """Apply a batch atomically; Fenced if any queue's epoch moved on."""
+        ...
+
+    async def load_range(self, vhost: str, queue: str, start: int, below: int | None, limit: int
+                         ) -> list[StoredMessage]:
+        """Up to ``limit`` messages with ``start <= offset < below`` (no upper bound for None), in offset order.
+
+        Streams read their older part back with it, and restore in pages.
+        """
+        ...
+
+    async def load_offsets(self, vhost: str, queue: str) -> dict[str, int]:
+        """A stream's consumer groups and their committed offsets."""
         ...

@@ -15,6 +15,8 @@ from core.exchange import Binding, Destination, Exchange, make_exchange
 from core.message import Message, QueuedMessage
 from core.queue import Queue
 from core.queue_args import parse_queue_args
+from core.stream import StreamQueue
+from core.stream_args import check_stream_declare
 
 if TYPE_CHECKING:
     from core.durability import Durability
@@ -185,7 +187,11 @@ class VirtualHost:
             if name.startswith("amq.") and not generated and not restoring:
                 raise AccessRefused(f"queue name '{name}' contains reserved prefix 'amq.*'")
             args = parse_queue_args(arguments, name, self.name)
-            q = Queue(
+            kind: type[Queue] = Queue
+            if args.queue_type == "stream":
+                check_stream_declare(name, self.name, durable and not generated, exclusive, auto_delete)
+                kind = StreamQueue
+            q = kind(
                 name,
                 self.name,
                 durable=durable,

@@ -42,6 +42,9 @@ def build_parser() -> argparse.ArgumentParser:
     from leveret import cluster_cli
 
     cluster_cli.add_parser(sub)
+    from leveret import streams_cli
+
+    streams_cli.add_parser(sub)
     return parser
 
 
@@ -60,6 +63,10 @@ def main(argv: list[str] | None = None) -> int:
         except ConfigError as exc:
             print(f"leveret: {exc}", file=sys.stderr)
             return 2
+    if args.command == "streams":
+        from leveret import streams_cli
+
+        return streams_cli.main(args, parser)
     if args.command != "serve":
         parser.print_help()
         return 2

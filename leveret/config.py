@@ -25,6 +25,7 @@ class NodeConfig:
     store: str = "sqlite"
     postgres_dsn: str = ""
     memory_high_watermark: float = 0.4
+    stream_memory_bytes: int = 64 * 1024 * 1024
     default_user: str = "guest"
     default_pass: str = "guest"
     etcd: str = ""
@@ -54,6 +55,8 @@ HELP = {
     "postgres_dsn": "Postgres connection string for --store postgres, e.g. postgresql://user:pw@host/db",
     "memory_high_watermark": "block publishers when messages waiting in queues take more than this: a fraction "
     "of RAM (<= 1) or bytes (> 1)",
+    "stream_memory_bytes": "bytes of message bodies each stream keeps in memory (its newest); older ones are "
+    "read back from the store in pages",
     "default_user": "user created at start, allowed from loopback only (as RabbitMQ's guest)",
     "default_pass": "password of the default user",
     "etcd": "comma-separated etcd endpoints (http://host:port); turns on cluster mode (needs --store postgres)",

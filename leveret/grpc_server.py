@@ -10,6 +10,7 @@ import grpc
 from core.broker import Broker
 from core.grpc_api import leveret_pb2_grpc as pb_grpc
 from core.grpc_api.servicer import BrokerServicer
+from core.grpc_api.streams_servicer import StreamsServicer
 
 log = logging.getLogger("leveret.grpc")
 
@@ -43,6 +44,7 @@ class GRPCServer:
         pb_grpc.add_BrokerServicer_to_server(self.servicer, server)
         for add in self.extra_services:
             add(server)
+        pb_grpc.add_StreamsServicer_to_server(StreamsServicer(self.servicer), server)
         address = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
         try:
             bound = server.add_insecure_port(address)

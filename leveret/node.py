@@ -16,6 +16,7 @@ from core.broker import Broker
 from core.durability import Durability
 from core.group_commit import GroupCommitter
 from core.store import MessageStore, StoreError
+from core.stream import StreamQueue
 from leveret import __version__
 from leveret.config import NodeConfig
 from leveret.grpc_server import GRPCServer
@@ -45,6 +46,7 @@ class Node:
         )
         self.grpc = GRPCServer(self.broker, config.max_message_size)
         self.cluster: EtcdCluster | None = None
+        StreamQueue.memory_limit = config.stream_memory_bytes
 
     def _make_store(self) -> MessageStore:
         cfg = self.config
@@ -148,9 +150,11 @@ class Node:
         return int(mark * os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))
 
     def queued_bytes(self) -> int:
+        # A stream's retained log is held in memory too (core/stream.py): it counts.
         return sum(
             ch.ready_bytes for vh in self.broker.vhosts.values() for q in vh.queues.values() for ch in q.channels
-        )
+        ) + sum(q.mem_bytes for vh in self.broker.vhosts.values() for q in vh.queues.values()
+                if isinstance(q, StreamQueue))
 
     async def _watch_memory(self) -> None:
         """The memory alarm, on the bytes of messages waiting in queues.

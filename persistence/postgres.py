@@ -284,6 +284,7 @@ class PostgresStore:
                 # SHARE), in the same lock order as commit, and fences every later one.
                 await conn.execute("DELETE FROM queue_epochs WHERE vhost = %s AND queue = %s", (vhost, name))
                 await conn.execute("DELETE FROM messages WHERE vhost = %s AND queue = %s", (vhost, name))
+                await conn.execute("DELETE FROM stream_offsets WHERE vhost = %s AND queue = %s", (vhost, name))
                 await conn.execute(
                     "DELETE FROM bindings WHERE vhost = %s AND destination_kind = 'queue' AND destination = %s",
                     (vhost, name),
@@ -436,6 +437,48 @@ class PostgresStore:
                     " (SELECT * FROM unnest(%s::text[], %s::text[], %s::bigint[]))",
                     (vhosts, queues, offsets),
                 )
+            if batch.truncations:
+                # One range delete per stream: the highest first-kept offset of the batch.
+                keep: dict[tuple[str, str], int] = {}
+                for v, q, first in batch.truncations:
+                    keep[(v, q)] = max(first, keep.get((v, q), first))
+                vhosts, queues, offsets = _columns([(*k, o) for k, o in sorted(keep.items())], 3)
+                await cur.execute(
+                    "DELETE FROM messages m USING unnest(%s::text[], %s::text[], %s::bigint[]) AS t(vhost, queue, off)"
+                    ' WHERE m.vhost = t.vhost AND m.queue = t.queue AND m."offset" < t.off',
+                    (vhosts, queues, offsets),
+                )
+            if batch.offsets:
+                vhosts, queues, groups, offsets = _columns([(*k, o) for k, o in sorted(batch.offsets.items())], 4)
+                await cur.execute(
+                    'INSERT INTO stream_offsets (vhost, queue, grp, "offset")'
+                    " SELECT * FROM unnest(%s::text[], %s::text[], %s::text[], %s::bigint[])"
+                    ' ON CONFLICT (vhost, queue, grp) DO UPDATE SET "offset" = EXCLUDED."offset"',
+                    (vhosts, queues, groups, offsets),
+                )
+
+    async def load_range(self, vhost: str, queue: str, start: int, below: int | None, limit: int
+                         ) -> list[StoredMessage]:
+        with self._guard(f"reading the messages of {vhost}/{queue} from offset {start}"):
+            async with self._connection() as conn:
+                cur = conn.cursor(binary=True)
+                await cur.execute(
+                    'SELECT "offset", message_id, exchange, routing_key, properties, body, enqueued_at, expires_at,'
+                    " delivery_count FROM messages WHERE vhost = %s AND queue = %s AND \"offset\" >= %s"
+                    " AND \"offset\" < %s AND state = 'ready' ORDER BY \"offset\" LIMIT %s",
+                    (vhost, queue, start, below if below is not None else 2**63 - 1, limit),
+                )
+                rows = await cur.fetchall()
+        return [StoredMessage(vhost, queue, *row) for row in rows]
+
+    async def load_offsets(self, vhost: str, queue: str) -> dict[str, int]:
+        with self._guard(f"loading the group offsets of {vhost}/{queue}"):
+            async with self._connection() as conn:
+                cur = await conn.execute(
+                    'SELECT grp, "offset" FROM stream_offsets WHERE vhost = %s AND queue = %s', (vhost, queue)
+                )
+                rows = await cur.fetchall()
+        return {str(grp): int(offset) for grp, offset in rows}
 
     @staticmethod
     async def _check_epochs(cur: psycopg.AsyncCursor[Any], epochs: dict[tuple[str, str], int]) -> None:
@@ -481,6 +524,8 @@ def _require_epochs(batch: Batch) -> None:
     touched.update((v, q) for v, q, _ in batch.removals)
     touched.update((v, q) for v, q, _, _ in batch.delivery_counts)
     touched.update(batch.purges)
+    touched.update((v, q) for v, q, _ in batch.truncations)
+    touched.update((v, q) for v, q, _ in batch.offsets)
     missing = touched.difference(batch.epochs)
     if missing:
         names = ", ".join(f"{v}/{q}" for v, q in sorted(missing))

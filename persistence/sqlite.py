@@ -146,6 +146,7 @@ class SQLiteStore:
                 db.execute("DELETE FROM queues WHERE vhost = ? AND name = ?", (vhost, name))
                 db.execute("DELETE FROM messages WHERE vhost = ? AND queue = ?", (vhost, name))
                 db.execute("DELETE FROM queue_epochs WHERE vhost = ? AND queue = ?", (vhost, name))
+                db.execute("DELETE FROM stream_offsets WHERE vhost = ? AND queue = ?", (vhost, name))
                 db.execute(
                     "DELETE FROM bindings WHERE vhost = ? AND destination_kind = 'queue' AND destination = ?",
                     (vhost, name),
@@ -246,8 +247,42 @@ class SQLiteStore:
                     db.executemany(
                         'DELETE FROM messages WHERE vhost = ? AND queue = ? AND "offset" = ?', batch.removals
                     )
+                if batch.truncations:
+                    db.executemany(
+                        'DELETE FROM messages WHERE vhost = ? AND queue = ? AND "offset" < ?', batch.truncations
+                    )
+                if batch.offsets:
+                    db.executemany(
+                        'INSERT INTO stream_offsets (vhost, queue, grp, "offset") VALUES (?, ?, ?, ?)'
+                        ' ON CONFLICT (vhost, queue, grp) DO UPDATE SET "offset" = excluded."offset"',
+                        [(v, q, g, o) for (v, q, g), o in batch.offsets.items()],
+                    )
 
         await self._run(commit)
+
+    async def load_range(self, vhost: str, queue: str, start: int, below: int | None, limit: int
+                         ) -> list[StoredMessage]:
+        def load(db: sqlite3.Connection) -> list[StoredMessage]:
+            return [
+                StoredMessage(vhost, queue, *row)
+                for row in db.execute(
+                    'SELECT "offset", message_id, exchange, routing_key, properties, body, enqueued_at, expires_at,'
+                    ' delivery_count FROM messages WHERE vhost = ? AND queue = ? AND "offset" >= ?'
+                    ' AND "offset" < ? AND state = \'ready\' ORDER BY "offset" LIMIT ?',
+                    (vhost, queue, start, below if below is not None else 2**63 - 1, limit),
+                )
+            ]
+
+        return await self._run(load)
+
+    async def load_offsets(self, vhost: str, queue: str) -> dict[str, int]:
+        def load(db: sqlite3.Connection) -> dict[str, int]:
+            rows = db.execute(
+                'SELECT grp, "offset" FROM stream_offsets WHERE vhost = ? AND queue = ?', (vhost, queue)
+            )
+            return {grp: int(offset) for grp, offset in rows}
+
+        return await self._run(load)
 
 
 _NUMBERED = re.compile(r"^(\d+)_.*\.sql$")

@@ -390,3 +390,32 @@ def test_sqlite_connection_is_real(tmp_path: Path) -> None:
     sqlite_backend(tmp_path).close()
     with sqlite3.connect(tmp_path / "leveret.sqlite3") as db:
         assert db.execute("SELECT COUNT(*) FROM messages").fetchone()[0] == 10 * len(QUEUES)
+
+
+async def _populate_stream(store: Any) -> None:
+    await store.open()
+    try:
+        args = {"x-queue-type": "stream", "x-max-age": "1h", "x-max-length-bytes": 900}
+        await store.save_queue(QueueRecord("/", "events", False, args))
+        batch = Batch(epochs={("/", "events"): await store.claim("/", "events")})
+        batch.appends.extend(_message("events", o) for o in range(1, 11))
+        batch.offsets[("/", "events", "billing")] = 4
+        await store.commit(batch)
+    finally:
+        await store.close()
+
+
+def test_stream_retention_in_the_backup(tmp_path: Path, spark: Any) -> None:
+    """A stream's x-max-age and x-max-length-bytes apply to its backup; group offsets stay."""
+    from persistence.sqlite import SQLiteStore
+
+    data = tmp_path / "data"
+    asyncio.run(_populate_stream(SQLiteStore(str(data / "leveret.sqlite3"))))
+    backend = Backend("sqlite", data_dir=str(data))
+    backend.connect()
+    report = run_job(backend, spark)
+    kept = [int(o) for (o,) in backend._rows('SELECT "offset" FROM messages WHERE queue = \'events\' ORDER BY 1')]
+    # Age alone keeps 6..10 (younger than 1 h); 900 bytes of 300-byte bodies keeps the newest 3.
+    assert kept == [8, 9, 10]
+    assert report["totals"]["deleted_messages"] == 7
+    assert list(backend._rows("SELECT grp, \"offset\" FROM stream_offsets")) == [("billing", 4)]

@@ -646,3 +646,56 @@ def test_redact_dsn(dsn: str, expected: str) -> None:
     from persistence.postgres import redact_dsn
 
     assert redact_dsn(dsn) == expected
+
+
+# -- streams: retention range deletes and consumer-group offsets --------------------------------
+
+
+async def test_stream_truncations_and_group_offsets(opened: Opened) -> None:
+    store = await opened()
+    epochs = await claimed(store, "s", "other")
+    await store.commit(Batch(epochs=epochs, appends=[message("s", i) for i in range(10)] + [message("other", 1)]))
+    await store.commit(
+        Batch(epochs=epochs, truncations=[(VHOST, "s", 3), (VHOST, "s", 4)], offsets={(VHOST, "s", "g1"): 3})
+    )
+    assert await offsets(store, "s") == list(range(4, 10))
+    assert await offsets(store, "other") == [1]
+    # A later commit moves an offset (upsert) and adds another group; an append and a
+    # truncation above it in one batch leave nothing below the kept offset.
+    await store.commit(
+        Batch(
+            epochs=epochs,
+            appends=[message("s", 10)],
+            truncations=[(VHOST, "s", 10)],
+            offsets={(VHOST, "s", "g1"): 5, (VHOST, "s", "g2"): 0},
+        )
+    )
+    assert await offsets(store, "s") == [10]
+    assert await store.load_offsets(VHOST, "s") == {"g1": 5, "g2": 0}
+    assert await store.load_offsets(VHOST, "other") == {}
+    store = await opened()  # survives a reopen
+    assert await store.load_offsets(VHOST, "s") == {"g1": 5, "g2": 0}
+    await store.delete_queue(VHOST, "s")
+    assert await store.load_offsets(VHOST, "s") == {}
+
+
+async def test_fenced_batch_writes_no_group_offset(store: MessageStore) -> None:
+    epochs = await claimed(store, "s")
+    await store.commit(Batch(epochs=epochs, appends=[message("s", i) for i in range(3)],
+                             offsets={(VHOST, "s", "g"): 0}))
+    await store.claim(VHOST, "s")  # a new owner
+    with pytest.raises(Fenced):
+        await store.commit(Batch(epochs=epochs, truncations=[(VHOST, "s", 2)], offsets={(VHOST, "s", "g"): 2}))
+    assert await offsets(store, "s") == [0, 1, 2]
+    assert await store.load_offsets(VHOST, "s") == {"g": 0}
+
+
+async def test_load_range_pages_in_offset_order(store: MessageStore) -> None:
+    epochs = await claimed(store, "s", "other")
+    await store.commit(Batch(epochs=epochs, appends=[message("s", i) for i in (3, 1, 2, 5, 8, 9)]
+                             + [message("other", 4)]))
+    assert [m.offset for m in await store.load_range(VHOST, "s", 0, None, 100)] == [1, 2, 3, 5, 8, 9]
+    assert [m.offset for m in await store.load_range(VHOST, "s", 2, 9, 100)] == [2, 3, 5, 8]
+    page = await store.load_range(VHOST, "s", 2, None, 2)
+    assert page == [message("s", 2), message("s", 3)]  # every field, as stored
+    assert await store.load_range(VHOST, "s", 10, None, 5) == []

@@ -6,7 +6,7 @@ from collections.abc import Callable
 from functools import partial
 
 from bench.results import Metric, RunOptions
-from bench.scenarios import confirm_latency, idle_memory, latency
+from bench.scenarios import confirm_latency, idle_memory, latency, stream
 from bench.scenarios.throughput import PLANS, run_plan
 from bench.target import Target
 
@@ -30,4 +30,5 @@ SCENARIOS: dict[str, ScenarioFn] = {
     "topic": partial(run_plan, PLANS["topic"]),
     "persistent": _persistent,
     "persistent_1mib": partial(run_plan, PLANS["persistent_1mib"]),
+    "stream": stream.run,
 }

@@ -14,11 +14,22 @@ class FilterKind(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     FILTER_PREFIX: _ClassVar[FilterKind]
     FILTER_PATTERN: _ClassVar[FilterKind]
     FILTER_NONE: _ClassVar[FilterKind]
+
+class OffsetSpec(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    OFFSET_UNSPECIFIED: _ClassVar[OffsetSpec]
+    OFFSET_NEXT: _ClassVar[OffsetSpec]
+    OFFSET_FIRST: _ClassVar[OffsetSpec]
+    OFFSET_LAST: _ClassVar[OffsetSpec]
 FILTER_AUTO: FilterKind
 FILTER_EXACT: FilterKind
 FILTER_PREFIX: FilterKind
 FILTER_PATTERN: FilterKind
 FILTER_NONE: FilterKind
+OFFSET_UNSPECIFIED: OffsetSpec
+OFFSET_NEXT: OffsetSpec
+OFFSET_FIRST: OffsetSpec
+OFFSET_LAST: OffsetSpec
 
 class CreateQueueRequest(_message.Message):
     __slots__ = ("name", "durable", "exist_ok", "auto_delete", "max_length", "message_ttl_ms")
@@ -281,3 +292,167 @@ class ClusterEvent(_message.Message):
     queue: str
     timestamp_ms: int
     def __init__(self, kind: _Optional[_Union[ClusterEvent.Kind, str]] = ..., node: _Optional[str] = ..., vhost: _Optional[str] = ..., queue: _Optional[str] = ..., timestamp_ms: _Optional[int] = ...) -> None: ...
+
+class CreateStreamRequest(_message.Message):
+    __slots__ = ("name", "partitions", "max_age", "max_bytes", "exist_ok")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    PARTITIONS_FIELD_NUMBER: _ClassVar[int]
+    MAX_AGE_FIELD_NUMBER: _ClassVar[int]
+    MAX_BYTES_FIELD_NUMBER: _ClassVar[int]
+    EXIST_OK_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    partitions: int
+    max_age: str
+    max_bytes: int
+    exist_ok: bool
+    def __init__(self, name: _Optional[str] = ..., partitions: _Optional[int] = ..., max_age: _Optional[str] = ..., max_bytes: _Optional[int] = ..., exist_ok: _Optional[bool] = ...) -> None: ...
+
+class PartitionInfo(_message.Message):
+    __slots__ = ("stream", "first_offset", "next_offset", "messages", "bytes", "committed")
+    class CommittedEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: int
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[int] = ...) -> None: ...
+    STREAM_FIELD_NUMBER: _ClassVar[int]
+    FIRST_OFFSET_FIELD_NUMBER: _ClassVar[int]
+    NEXT_OFFSET_FIELD_NUMBER: _ClassVar[int]
+    MESSAGES_FIELD_NUMBER: _ClassVar[int]
+    BYTES_FIELD_NUMBER: _ClassVar[int]
+    COMMITTED_FIELD_NUMBER: _ClassVar[int]
+    stream: str
+    first_offset: int
+    next_offset: int
+    messages: int
+    bytes: int
+    committed: _containers.ScalarMap[str, int]
+    def __init__(self, stream: _Optional[str] = ..., first_offset: _Optional[int] = ..., next_offset: _Optional[int] = ..., messages: _Optional[int] = ..., bytes: _Optional[int] = ..., committed: _Optional[_Mapping[str, int]] = ...) -> None: ...
+
+class StreamInfo(_message.Message):
+    __slots__ = ("name", "partitioned", "partitions")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    PARTITIONED_FIELD_NUMBER: _ClassVar[int]
+    PARTITIONS_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    partitioned: bool
+    partitions: _containers.RepeatedCompositeFieldContainer[PartitionInfo]
+    def __init__(self, name: _Optional[str] = ..., partitioned: _Optional[bool] = ..., partitions: _Optional[_Iterable[_Union[PartitionInfo, _Mapping]]] = ...) -> None: ...
+
+class GetStreamRequest(_message.Message):
+    __slots__ = ("name",)
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    def __init__(self, name: _Optional[str] = ...) -> None: ...
+
+class DeleteStreamRequest(_message.Message):
+    __slots__ = ("name",)
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    def __init__(self, name: _Optional[str] = ...) -> None: ...
+
+class DeleteStreamResponse(_message.Message):
+    __slots__ = ("messages_dropped",)
+    MESSAGES_DROPPED_FIELD_NUMBER: _ClassVar[int]
+    messages_dropped: int
+    def __init__(self, messages_dropped: _Optional[int] = ...) -> None: ...
+
+class PublishRequest(_message.Message):
+    __slots__ = ("topic", "body", "key", "properties")
+    class PropertiesEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: str
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[str] = ...) -> None: ...
+    TOPIC_FIELD_NUMBER: _ClassVar[int]
+    BODY_FIELD_NUMBER: _ClassVar[int]
+    KEY_FIELD_NUMBER: _ClassVar[int]
+    PROPERTIES_FIELD_NUMBER: _ClassVar[int]
+    topic: str
+    body: bytes
+    key: str
+    properties: _containers.ScalarMap[str, str]
+    def __init__(self, topic: _Optional[str] = ..., body: _Optional[bytes] = ..., key: _Optional[str] = ..., properties: _Optional[_Mapping[str, str]] = ...) -> None: ...
+
+class PublishResponse(_message.Message):
+    __slots__ = ("id", "stream", "offset")
+    ID_FIELD_NUMBER: _ClassVar[int]
+    STREAM_FIELD_NUMBER: _ClassVar[int]
+    OFFSET_FIELD_NUMBER: _ClassVar[int]
+    id: str
+    stream: str
+    offset: int
+    def __init__(self, id: _Optional[str] = ..., stream: _Optional[str] = ..., offset: _Optional[int] = ...) -> None: ...
+
+class StreamSubscribeRequest(_message.Message):
+    __slots__ = ("offsets", "group", "auto_commit", "prefetch", "max_batch", "from_timestamp_ms")
+    class OffsetsEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: int
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[int] = ...) -> None: ...
+    OFFSETS_FIELD_NUMBER: _ClassVar[int]
+    GROUP_FIELD_NUMBER: _ClassVar[int]
+    AUTO_COMMIT_FIELD_NUMBER: _ClassVar[int]
+    PREFETCH_FIELD_NUMBER: _ClassVar[int]
+    MAX_BATCH_FIELD_NUMBER: _ClassVar[int]
+    FROM_TIMESTAMP_MS_FIELD_NUMBER: _ClassVar[int]
+    offsets: _containers.ScalarMap[str, int]
+    group: str
+    auto_commit: bool
+    prefetch: int
+    max_batch: int
+    from_timestamp_ms: int
+    def __init__(self, offsets: _Optional[_Mapping[str, int]] = ..., group: _Optional[str] = ..., auto_commit: _Optional[bool] = ..., prefetch: _Optional[int] = ..., max_batch: _Optional[int] = ..., from_timestamp_ms: _Optional[int] = ...) -> None: ...
+
+class StreamMessage(_message.Message):
+    __slots__ = ("id", "timestamp_ms", "topic", "body", "stream", "offset", "key", "properties")
+    class PropertiesEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: str
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[str] = ...) -> None: ...
+    ID_FIELD_NUMBER: _ClassVar[int]
+    TIMESTAMP_MS_FIELD_NUMBER: _ClassVar[int]
+    TOPIC_FIELD_NUMBER: _ClassVar[int]
+    BODY_FIELD_NUMBER: _ClassVar[int]
+    STREAM_FIELD_NUMBER: _ClassVar[int]
+    OFFSET_FIELD_NUMBER: _ClassVar[int]
+    KEY_FIELD_NUMBER: _ClassVar[int]
+    PROPERTIES_FIELD_NUMBER: _ClassVar[int]
+    id: str
+    timestamp_ms: int
+    topic: str
+    body: bytes
+    stream: str
+    offset: int
+    key: str
+    properties: _containers.ScalarMap[str, str]
+    def __init__(self, id: _Optional[str] = ..., timestamp_ms: _Optional[int] = ..., topic: _Optional[str] = ..., body: _Optional[bytes] = ..., stream: _Optional[str] = ..., offset: _Optional[int] = ..., key: _Optional[str] = ..., properties: _Optional[_Mapping[str, str]] = ...) -> None: ...
+
+class StreamMessages(_message.Message):
+    __slots__ = ("messages",)
+    MESSAGES_FIELD_NUMBER: _ClassVar[int]
+    messages: _containers.RepeatedCompositeFieldContainer[StreamMessage]
+    def __init__(self, messages: _Optional[_Iterable[_Union[StreamMessage, _Mapping]]] = ...) -> None: ...
+
+class CommitOffsetRequest(_message.Message):
+    __slots__ = ("group", "stream", "offset")
+    GROUP_FIELD_NUMBER: _ClassVar[int]
+    STREAM_FIELD_NUMBER: _ClassVar[int]
+    OFFSET_FIELD_NUMBER: _ClassVar[int]
+    group: str
+    stream: str
+    offset: int
+    def __init__(self, group: _Optional[str] = ..., stream: _Optional[str] = ..., offset: _Optional[int] = ...) -> None: ...
+
+class CommitOffsetResponse(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...

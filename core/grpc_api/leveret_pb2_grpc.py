@@ -570,3 +570,313 @@ class Broker:
             timeout,
             metadata,
             _registered_method=True)
+
+
+class StreamsStub:
+    """Streams (docs/STREAMS.md): append-only logs read from an offset, as the
+    geo-distributed seed defines them: Publish(topic, body) -> id and
+    Subscribe(map<topic, offset>) -> stream of (id, timestamp, topic, body),
+    plus the offset of each message so a client can resume. A topic is a
+    stream queue (x-queue-type stream, also readable over AMQP) or a
+    partitioned stream: N streams NAME-0..NAME-N-1 behind an x-partition
+    exchange NAME.
+    """
+
+    def __init__(self, channel):
+        """Constructor.
+
+        Args:
+            channel: A grpc.Channel.
+        """
+        self.CreateStream = channel.unary_unary(
+                '/leveret.v1.Streams/CreateStream',
+                request_serializer=core_dot_grpc__api_dot_leveret__pb2.CreateStreamRequest.SerializeToString,
+                response_deserializer=core_dot_grpc__api_dot_leveret__pb2.StreamInfo.FromString,
+                _registered_method=True)
+        self.GetStream = channel.unary_unary(
+                '/leveret.v1.Streams/GetStream',
+                request_serializer=core_dot_grpc__api_dot_leveret__pb2.GetStreamRequest.SerializeToString,
+                response_deserializer=core_dot_grpc__api_dot_leveret__pb2.StreamInfo.FromString,
+                _registered_method=True)
+        self.DeleteStream = channel.unary_unary(
+                '/leveret.v1.Streams/DeleteStream',
+                request_serializer=core_dot_grpc__api_dot_leveret__pb2.DeleteStreamRequest.SerializeToString,
+                response_deserializer=core_dot_grpc__api_dot_leveret__pb2.DeleteStreamResponse.FromString,
+                _registered_method=True)
+        self.Publish = channel.unary_unary(
+                '/leveret.v1.Streams/Publish',
+                request_serializer=core_dot_grpc__api_dot_leveret__pb2.PublishRequest.SerializeToString,
+                response_deserializer=core_dot_grpc__api_dot_leveret__pb2.PublishResponse.FromString,
+                _registered_method=True)
+        self.Subscribe = channel.unary_stream(
+                '/leveret.v1.Streams/Subscribe',
+                request_serializer=core_dot_grpc__api_dot_leveret__pb2.StreamSubscribeRequest.SerializeToString,
+                response_deserializer=core_dot_grpc__api_dot_leveret__pb2.StreamMessages.FromString,
+                _registered_method=True)
+        self.CommitOffset = channel.unary_unary(
+                '/leveret.v1.Streams/CommitOffset',
+                request_serializer=core_dot_grpc__api_dot_leveret__pb2.CommitOffsetRequest.SerializeToString,
+                response_deserializer=core_dot_grpc__api_dot_leveret__pb2.CommitOffsetResponse.FromString,
+                _registered_method=True)
+
+
+class StreamsServicer:
+    """Streams (docs/STREAMS.md): append-only logs read from an offset, as the
+    geo-distributed seed defines them: Publish(topic, body) -> id and
+    Subscribe(map<topic, offset>) -> stream of (id, timestamp, topic, body),
+    plus the offset of each message so a client can resume. A topic is a
+    stream queue (x-queue-type stream, also readable over AMQP) or a
+    partitioned stream: N streams NAME-0..NAME-N-1 behind an x-partition
+    exchange NAME.
+    """
+
+    def CreateStream(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def GetStream(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def DeleteStream(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Publish(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Subscribe(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def CommitOffset(self, request, context):
+        """Set a consumer group's committed offset on one stream (a partition for a
+        partitioned stream): the group resumes after it.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+
+def add_StreamsServicer_to_server(servicer, server):
+    rpc_method_handlers = {
+            'CreateStream': grpc.unary_unary_rpc_method_handler(
+                    servicer.CreateStream,
+                    request_deserializer=core_dot_grpc__api_dot_leveret__pb2.CreateStreamRequest.FromString,
+                    response_serializer=core_dot_grpc__api_dot_leveret__pb2.StreamInfo.SerializeToString,
+            ),
+            'GetStream': grpc.unary_unary_rpc_method_handler(
+                    servicer.GetStream,
+                    request_deserializer=core_dot_grpc__api_dot_leveret__pb2.GetStreamRequest.FromString,
+                    response_serializer=core_dot_grpc__api_dot_leveret__pb2.StreamInfo.SerializeToString,
+            ),
+            'DeleteStream': grpc.unary_unary_rpc_method_handler(
+                    servicer.DeleteStream,
+                    request_deserializer=core_dot_grpc__api_dot_leveret__pb2.DeleteStreamRequest.FromString,
+                    response_serializer=core_dot_grpc__api_dot_leveret__pb2.DeleteStreamResponse.SerializeToString,
+            ),
+            'Publish': grpc.unary_unary_rpc_method_handler(
+                    servicer.Publish,
+                    request_deserializer=core_dot_grpc__api_dot_leveret__pb2.PublishRequest.FromString,
+                    response_serializer=core_dot_grpc__api_dot_leveret__pb2.PublishResponse.SerializeToString,
+            ),
+            'Subscribe': grpc.unary_stream_rpc_method_handler(
+                    servicer.Subscribe,
+                    request_deserializer=core_dot_grpc__api_dot_leveret__pb2.StreamSubscribeRequest.FromString,
+                    response_serializer=core_dot_grpc__api_dot_leveret__pb2.StreamMessages.SerializeToString,
+            ),
+            'CommitOffset': grpc.unary_unary_rpc_method_handler(
+                    servicer.CommitOffset,
+                    request_deserializer=core_dot_grpc__api_dot_leveret__pb2.CommitOffsetRequest.FromString,
+                    response_serializer=core_dot_grpc__api_dot_leveret__pb2.CommitOffsetResponse.SerializeToString,
+            ),
+    }
+    generic_handler = grpc.method_handlers_generic_handler(
+            'leveret.v1.Streams', rpc_method_handlers)
+    server.add_generic_rpc_handlers((generic_handler,))
+    server.add_registered_method_handlers('leveret.v1.Streams', rpc_method_handlers)
+
+
+ # This class is part of an EXPERIMENTAL API.
+class Streams:
+    """Streams (docs/STREAMS.md): append-only logs read from an offset, as the
+    geo-distributed seed defines them: Publish(topic, body) -> id and
+    Subscribe(map<topic, offset>) -> stream of (id, timestamp, topic, body),
+    plus the offset of each message so a client can resume. A topic is a
+    stream queue (x-queue-type stream, also readable over AMQP) or a
+    partitioned stream: N streams NAME-0..NAME-N-1 behind an x-partition
+    exchange NAME.
+    """
+
+    @staticmethod
+    def CreateStream(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/leveret.v1.Streams/CreateStream',
+            core_dot_grpc__api_dot_leveret__pb2.CreateStreamRequest.SerializeToString,
+            core_dot_grpc__api_dot_leveret__pb2.StreamInfo.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def GetStream(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/leveret.v1.Streams/GetStream',
+            core_dot_grpc__api_dot_leveret__pb2.GetStreamRequest.SerializeToString,
+            core_dot_grpc__api_dot_leveret__pb2.StreamInfo.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def DeleteStream(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/leveret.v1.Streams/DeleteStream',
+            core_dot_grpc__api_dot_leveret__pb2.DeleteStreamRequest.SerializeToString,
+            core_dot_grpc__api_dot_leveret__pb2.DeleteStreamResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Publish(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/leveret.v1.Streams/Publish',
+            core_dot_grpc__api_dot_leveret__pb2.PublishRequest.SerializeToString,
+            core_dot_grpc__api_dot_leveret__pb2.PublishResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Subscribe(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/leveret.v1.Streams/Subscribe',
+            core_dot_grpc__api_dot_leveret__pb2.StreamSubscribeRequest.SerializeToString,
+            core_dot_grpc__api_dot_leveret__pb2.StreamMessages.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def CommitOffset(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/leveret.v1.Streams/CommitOffset',
+            core_dot_grpc__api_dot_leveret__pb2.CommitOffsetRequest.SerializeToString,
+            core_dot_grpc__api_dot_leveret__pb2.CommitOffsetResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)

@@ -31,6 +31,7 @@ from core.grpc_api import leveret_pb2 as pb
 from core.grpc_api import leveret_pb2_grpc as pb_grpc
 from core.message import Message, QueuedMessage
 from core.queue import Consumer, Queue, QueueChannel
+from core.stream import StreamQueue
 from core.topic import topic_matches
 from core.vhost import VirtualHost
 
@@ -314,11 +315,18 @@ class BrokerServicer(pb_grpc.BrokerServicer):
         queue, sep, name = channel_id.rpartition("/")
         if not sep or not queue:
             raise ApiError(grpc.StatusCode.INVALID_ARGUMENT, f"channel id {channel_id!r} is not '<queue>/<name>'")
-        q = self._queue(vh, queue)
+        q = self._not_stream(self._queue(vh, queue))
         for ch in q.channels:
             if ch.name == name:
                 return ch
         raise ApiError(grpc.StatusCode.NOT_FOUND, f"no channel '{name}' on queue '{queue}' in vhost '{vh.name}'")
+
+    @staticmethod
+    def _not_stream(q: Queue) -> Queue:
+        if isinstance(q, StreamQueue):
+            raise ApiError(grpc.StatusCode.FAILED_PRECONDITION,
+                           f"'{q.name}' is a stream: read it with leveret.v1.Streams/Subscribe (docs/STREAMS.md)")
+        return q
 
     @staticmethod
     def _queue_info(q: Queue) -> pb.QueueInfo:
@@ -382,7 +390,7 @@ class BrokerServicer(pb_grpc.BrokerServicer):
     async def CreateChannel(self, request: pb.CreateChannelRequest, context: Any) -> pb.ChannelInfo:
         async with _errors(context):
             _, vh = self._login(context)
-            q = self._queue(vh, request.queue)
+            q = self._not_stream(self._queue(vh, request.queue))
             name = request.name or f"ch-{next(self._channel_names)}-{os.urandom(3).hex()}"
             if "/" in name:
                 raise ApiError(grpc.StatusCode.INVALID_ARGUMENT, "a channel name cannot contain '/'")

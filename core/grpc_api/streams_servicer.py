@@ -1,0 +1,276 @@
+"""``leveret.v1.Streams``: the geo seed's Publish / Subscribe(map<topic, offset>) over stream queues.
+
+A topic is a stream queue or a partitioned stream (core/partition.py).
+Publish picks the partition (key hash, or round robin) and returns the
+message's id, stream and offset once the store holds it. Subscribe opens one
+reader per stream behind each topic (so a partitioned stream is read as one
+subscription) and sends batches of messages, each with its stream and offset,
+so a client can resume from exactly where it stopped. Credit: at most
+``prefetch`` messages wait to be sent; a message sent counts as settled.
+
+With a ``group`` the readers are the group's: members of the group share
+each stream (one active at a time, partition ``p`` active on member
+``p mod n``), a stream where the group has a committed offset resumes after
+it, and offsets are committed by CommitOffset, or as messages are sent with
+``auto_commit``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+from collections import deque
+from collections.abc import AsyncIterator
+from typing import Any
+
+import grpc
+
+from core import partition, properties
+from core.errors import PreconditionFailed
+from core.grpc_api import leveret_pb2 as pb
+from core.grpc_api import leveret_pb2_grpc as pb_grpc
+from core.grpc_api.servicer import (
+    DEFAULT_BATCH,
+    DEFAULT_PREFETCH,
+    ApiError,
+    BrokerServicer,
+    _errors,
+    decode_properties,
+    encode_properties,
+)
+from core.message import Message, QueuedMessage
+from core.queue import Consumer, Queue
+from core.stream import StreamQueue, StreamReader
+from core.stream_args import FIRST, LAST, NEXT, OffsetSpec, parse_age
+from core.vhost import VirtualHost
+
+_PERSISTENT_RAW = properties.encode({"delivery_mode": 2})
+_PERSISTENT = (_PERSISTENT_RAW, properties.scan(_PERSISTENT_RAW))
+_SPECS: dict[int, OffsetSpec] = {int(pb.OFFSET_NEXT): NEXT, int(pb.OFFSET_FIRST): FIRST, int(pb.OFFSET_LAST): LAST}
+
+
+def offset_spec(value: int, from_timestamp_ms: int) -> OffsetSpec:
+    """A Subscribe offset: >= 0 an offset; OFFSET_NEXT / FIRST / LAST; 0 means 0 (the first offset)."""
+    if value >= 0:
+        if value == 0 and from_timestamp_ms > 0:
+            return OffsetSpec("timestamp", from_timestamp_ms / 1000.0)
+        return OffsetSpec("offset", value)
+    spec = _SPECS.get(value)
+    if spec is None:
+        raise ApiError(grpc.StatusCode.INVALID_ARGUMENT,
+                       f"offset {value}: use >= 0, OFFSET_NEXT (-1), OFFSET_FIRST (-2) or OFFSET_LAST (-3)")
+    return spec
+
+
+class StreamSubscription:
+    """One Subscribe call: a consumer on each stream it reads, and the ConsumerSink of them all."""
+
+    def __init__(self, prefetch: int, max_batch: int) -> None:
+        self.prefetch = prefetch
+        self.max_batch = max_batch
+        self.pending: deque[tuple[Consumer, QueuedMessage]] = deque()
+        self.topics: dict[int, str] = {}  # id(consumer) -> topic as subscribed
+        self.consumers: list[Consumer] = []
+        self.wakeup = asyncio.Event()
+        self.cancelled = False
+        self.closed = False
+
+    def add(self, topic: str, reader: StreamReader, tag: str) -> None:
+        c = Consumer(tag, reader, self, no_ack=False, prefetch=self.prefetch)
+        self.topics[id(c)] = topic
+        self.consumers.append(c)
+        reader.add_consumer(c, dispatch=False)
+
+    # ConsumerSink
+    def has_credit(self, consumer: Consumer) -> bool:
+        return not self.closed and len(self.pending) < self.prefetch
+
+    def deliver(self, consumer: Consumer, qm: QueuedMessage) -> None:
+        self.pending.append((consumer, qm))
+        self.wakeup.set()
+
+    def consumer_cancelled(self, consumer: Consumer) -> None:
+        self.cancelled = True
+        self.wakeup.set()
+
+    def dispatch(self) -> None:
+        for c in self.consumers:
+            c.channel.dispatch()
+
+    def take_batch(self) -> tuple[pb.StreamMessages, list[tuple[Consumer, QueuedMessage]]]:
+        response = pb.StreamMessages()
+        add = response.messages.add
+        taken = []
+        pending = self.pending
+        empty = properties.EMPTY
+        for _ in range(min(len(pending), self.max_batch)):
+            c, qm = pending.popleft()
+            taken.append((c, qm))
+            m = qm.message
+            sm = add(
+                id=m.id, timestamp_ms=int(m.timestamp * 1000), topic=self.topics[id(c)],
+                body=m.body if type(m.body) is bytes else bytes(m.body), stream=c.channel.queue.name,
+                offset=qm.offset, key=m.routing_key,
+            )
+            if m.props != empty:
+                sm.properties.update(decode_properties(m.props))
+        return response, taken
+
+    @staticmethod
+    def sent(taken: list[tuple[Consumer, QueuedMessage]]) -> None:
+        """A batch went out: its messages are settled (credit back; a group with auto_commit commits)."""
+        readers: dict[int, StreamReader] = {}
+        for c, qm in taken:
+            c.channel.settle(qm, c)
+            readers[id(c.channel)] = c.channel  # type: ignore[assignment]
+        for r in readers.values():
+            r.dispatch()
+
+    def close(self) -> None:
+        if self.closed:
+            return
+        self.closed = True
+        # Consumers first: what was never sent must not count as processed by a group.
+        for c in self.consumers:
+            c.channel.remove_consumer(c)
+        for c, qm in self.pending:
+            c.channel.settle(qm, c)
+        self.pending.clear()
+
+
+class StreamsServicer(pb_grpc.StreamsServicer):
+    def __init__(self, api: BrokerServicer) -> None:
+        self.api = api  # logins, the store-commit wait
+        self._tags = itertools.count(1)
+
+    def _stream(self, vh: VirtualHost, name: str) -> StreamQueue:
+        if not name:
+            raise ApiError(grpc.StatusCode.INVALID_ARGUMENT, "a stream name is required")
+        queues = partition.resolve(vh, name)
+        if len(queues) != 1 or partition.exchange_of(vh, name) is not None:
+            raise ApiError(grpc.StatusCode.INVALID_ARGUMENT,
+                           f"'{name}' is a partitioned stream; name one partition ({name}-0, ...)")
+        return queues[0]
+
+    @staticmethod
+    def _info(vh: VirtualHost, name: str) -> pb.StreamInfo:
+        info = pb.StreamInfo(name=name, partitioned=partition.exchange_of(vh, name) is not None)
+        for q in partition.resolve(vh, name):
+            p = info.partitions.add(stream=q.name, first_offset=q.first_offset, next_offset=q.next_offset,
+                                    messages=q.message_count, bytes=q.log_bytes)
+            p.committed.update(q.committed)
+        return info
+
+    async def CreateStream(self, request: pb.CreateStreamRequest, context: Any) -> pb.StreamInfo:
+        async with _errors(context):
+            _, vh = self.api._login(context)
+            name = request.name
+            if not name:
+                raise ApiError(grpc.StatusCode.INVALID_ARGUMENT, "a stream name is required")
+            if request.max_age and parse_age(request.max_age) is None:
+                raise ApiError(grpc.StatusCode.INVALID_ARGUMENT,
+                               f"max_age {request.max_age!r}: use a number and a unit Y, M, D, h, m or s, e.g. '7D'")
+            exists = name in vh.queues or name in vh.exchanges
+            if exists and not request.exist_ok:
+                raise ApiError(grpc.StatusCode.ALREADY_EXISTS, f"'{name}' already exists in vhost '{vh.name}'")
+            arguments = partition.stream_arguments(request.max_age or None, request.max_bytes or None)
+            if request.partitions:
+                partition.create(vh, name, request.partitions, arguments)
+            else:
+                vh.declare_queue(name, None, durable=True, arguments=arguments)
+                self._stream(vh, name)  # an existing classic queue of that name is an error
+            return self._info(vh, name)
+        raise AssertionError("unreachable")
+
+    async def GetStream(self, request: pb.GetStreamRequest, context: Any) -> pb.StreamInfo:
+        async with _errors(context):
+            _, vh = self.api._login(context)
+            return self._info(vh, request.name)
+        raise AssertionError("unreachable")
+
+    async def DeleteStream(self, request: pb.DeleteStreamRequest, context: Any) -> pb.DeleteStreamResponse:
+        async with _errors(context):
+            _, vh = self.api._login(context)
+            return pb.DeleteStreamResponse(messages_dropped=partition.delete(vh, request.name))
+        raise AssertionError("unreachable")
+
+    async def Publish(self, request: pb.PublishRequest, context: Any) -> pb.PublishResponse:
+        async with _errors(context):
+            user, vh = self.api._login(context)
+            topic = request.topic
+            if len(request.properties):
+                props = encode_properties(dict(request.properties), True)
+                summary = properties.scan(props)
+                if summary.user_id is not None and summary.user_id != user.name:
+                    raise PreconditionFailed(
+                        f"user_id property set to '{summary.user_id}' but authenticated user was '{user.name}'"
+                    )
+            else:
+                props, summary = _PERSISTENT
+            x = partition.exchange_of(vh, topic)
+            node = self.api.broker.node_id
+            q: Queue
+            if x is not None:
+                if not x.partitions:
+                    raise ApiError(grpc.StatusCode.FAILED_PRECONDITION,
+                                   f"partitioned stream '{topic}' has no partitions")
+                dest = x.partitions[x.partition_of(request.key)]
+                if not isinstance(dest, Queue):
+                    raise ApiError(grpc.StatusCode.FAILED_PRECONDITION,
+                                   f"partitioned stream '{topic}' is bound to exchange '{dest.name}', not a stream")
+                q = dest
+                message = Message(topic, request.key, props, request.body, summary, node)
+            else:
+                q = self._stream(vh, topic)
+                message = Message("", request.key or topic, props, request.body, summary, node)
+            offset = q.next_offset
+            q.enqueue(message)
+            if q.storage is not None:
+                await self.api._committed()
+            return pb.PublishResponse(id=message.id, stream=q.name, offset=offset)
+        raise AssertionError("unreachable")
+
+    async def CommitOffset(self, request: pb.CommitOffsetRequest, context: Any) -> pb.CommitOffsetResponse:
+        async with _errors(context):
+            _, vh = self.api._login(context)
+            if not request.group:
+                raise ApiError(grpc.StatusCode.INVALID_ARGUMENT, "a group name is required")
+            q = self._stream(vh, request.stream)
+            q.set_committed(request.group, request.offset)
+            if q.storage is not None:
+                await self.api._committed()
+            return pb.CommitOffsetResponse()
+        raise AssertionError("unreachable")
+
+    async def Subscribe(self, request: pb.StreamSubscribeRequest, context: Any) -> AsyncIterator[pb.StreamMessages]:
+        sub: StreamSubscription | None = None
+        try:
+            async with _errors(context):
+                _, vh = self.api._login(context)
+                if not request.offsets:
+                    raise ApiError(grpc.StatusCode.INVALID_ARGUMENT, "name at least one topic in offsets")
+                sub = StreamSubscription(request.prefetch or DEFAULT_PREFETCH, request.max_batch or DEFAULT_BATCH)
+                group = request.group or None
+                tag = f"grpc-stream-{next(self._tags)}"
+                for topic, value in sorted(request.offsets.items()):
+                    spec = offset_spec(value, request.from_timestamp_ms)
+                    for q in partition.resolve(vh, topic):
+                        reader = q.open_reader(spec, name=tag, group=group, commit_on_settle=request.auto_commit)
+                        sub.add(topic, reader, tag)
+            assert sub is not None
+            await context.send_initial_metadata(())
+            sub.dispatch()
+            while True:
+                if not sub.pending:
+                    if sub.cancelled:
+                        break
+                    sub.wakeup.clear()
+                    await sub.wakeup.wait()
+                    continue
+                batch, taken = sub.take_batch()
+                yield batch
+                sub.sent(taken)
+            await context.abort(grpc.StatusCode.NOT_FOUND, "a stream of this subscription was deleted")
+        finally:
+            if sub is not None:
+                sub.close()

@@ -1,0 +1,89 @@
+"""Partitioned streams: N stream queues ``NAME-0 .. NAME-N-1`` behind an ``x-partition`` exchange ``NAME``.
+
+Publishing to the exchange picks one partition per message: a hash of the
+routing key (so one key always lands in the same partition, and order holds
+per key), or round robin without a key. Everything is ordinary topology
+(a durable exchange, durable stream queues, bindings whose keys are the
+partition indexes), so it is stored, restored and, in a cluster, owned queue
+by queue like anything else: the partitions spread over the nodes as their
+owners are chosen. The gRPC API and ``leveret streams`` use these helpers;
+AMQP clients can publish to the exchange and consume ``NAME-i`` directly.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from core.errors import NotFound, PreconditionFailed
+from core.exchange import PartitionExchange
+from core.stream import StreamQueue
+from core.vhost import VirtualHost
+
+MAX_PARTITIONS = 1024
+
+
+def partition_name(stream: str, index: int) -> str:
+    return f"{stream}-{index}"
+
+
+def stream_arguments(max_age: str | None = None, max_bytes: int | None = None) -> dict[str, Any]:
+    args: dict[str, Any] = {"x-queue-type": "stream"}
+    if max_age:
+        args["x-max-age"] = max_age
+    if max_bytes:
+        args["x-max-length-bytes"] = max_bytes
+    return args
+
+
+def create(vh: VirtualHost, name: str, partitions: int, arguments: dict[str, Any], owner: object = None
+           ) -> list[StreamQueue]:
+    """Declare a partitioned stream (idempotent when it exists with the same partition count)."""
+    if not name:
+        raise PreconditionFailed("a partitioned stream needs a name")
+    if not 1 <= partitions <= MAX_PARTITIONS:
+        raise PreconditionFailed(f"partitions must be between 1 and {MAX_PARTITIONS}, got {partitions}")
+    existing = vh.exchanges.get(name)
+    if existing is not None:
+        current = existing.partitions if isinstance(existing, PartitionExchange) else None
+        if current is None or len(current) != partitions:
+            have = f"{len(current)} partitions" if current is not None else f"a '{existing.type}' exchange"
+            raise PreconditionFailed(
+                f"'{name}' in vhost '{vh.name}' already exists as {have}; cannot make it {partitions} partitions"
+            )
+    vh.declare_exchange(name, PartitionExchange.type, durable=True)
+    queues = []
+    for i in range(partitions):
+        q = vh.declare_queue(partition_name(name, i), owner, durable=True, arguments=arguments)
+        assert isinstance(q, StreamQueue)
+        vh.bind(name, q, str(i), None)
+        queues.append(q)
+    return queues
+
+
+def exchange_of(vh: VirtualHost, name: str) -> PartitionExchange | None:
+    x = vh.exchanges.get(name)
+    return x if isinstance(x, PartitionExchange) else None
+
+
+def resolve(vh: VirtualHost, topic: str) -> list[StreamQueue]:
+    """The streams behind a topic: the partitions of a partitioned stream, or one stream queue."""
+    x = exchange_of(vh, topic)
+    if x is not None:
+        return [q for q in x.partitions if isinstance(q, StreamQueue)]
+    q = vh.queues.get(topic)
+    if q is None:
+        raise NotFound(f"no stream '{topic}' in vhost '{vh.name}'")
+    if not isinstance(q, StreamQueue):
+        raise PreconditionFailed(f"queue '{topic}' in vhost '{vh.name}' is a {q.args.queue_type} queue, "
+                                 "not a stream")
+    return [q]
+
+
+def delete(vh: VirtualHost, name: str, owner: object = None) -> int:
+    """Delete a stream, or a partitioned stream with all its partitions; messages dropped."""
+    dropped = 0
+    for q in resolve(vh, name):
+        dropped += vh.delete_queue(q.name, owner)
+    if exchange_of(vh, name) is not None:
+        vh.delete_exchange(name)
+    return dropped
