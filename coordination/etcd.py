@@ -53,7 +53,7 @@ OP_TIMEOUT = 5.0
 # How long a forwarded publish or a proxied subscription waits for this node
 # to finish taking over a queue it was just given.
 OWNED_WAIT = 10.0
-OWNED_GRACE = 1.0
+OWNED_GRACE = 0.5
 
 
 class RemoteOwner:
@@ -149,6 +149,8 @@ class EtcdCluster:
         self._bindings: dict[bytes, tuple[str, str, str, str, str, dict[str, Any]]] = {}
         # Exclusive queues being declared here: the connection that owns each.
         self._pending_exclusive: dict[tuple[str, str], object] = {}
+        # Queues deleted lately (insertion-ordered, bounded): forwards to them fail at once.
+        self._tombstones: dict[tuple[str, str], None] = {}
         # Set by `leveret cluster drain` and at shutdown: take no queues, give them away.
         self.draining = False
 
@@ -496,6 +498,9 @@ class EtcdCluster:
             self.mirror.queues.pop(vq, None)
             self.mirror.orphaned_since.pop(vq, None)
             self.mirror.last_owner.pop(vq, None)
+            self._tombstones[vq] = None
+            if len(self._tombstones) > 10_000:
+                self._tombstones.pop(next(iter(self._tombstones)))
             q = vh.queues.get(name)
             if q is not None:
                 self.serving.pop(vq, None)
@@ -511,6 +516,7 @@ class EtcdCluster:
                 self._emit("queue-deleted", self.node_id, vhost, name)
             return
         self.mirror.queues[vq] = value
+        self._tombstones.pop(vq, None)
         if name in vh.queues:
             return
         exclusive = bool(value.get("exclusive"))
@@ -834,10 +840,14 @@ class EtcdCluster:
                 return q
             owner = self.mirror.owners.get(vq)
             mine = self.serving.get(vq) is not None or (owner is not None and owner[0] == self.node_id)
-            # Ours or ownerless: wait for the take-over. Unknown or another
-            # node's: only a short grace, for a watch event still on its way.
+            if not mine and (owner is not None or vq in self._tombstones):
+                # Another node's, or deleted: answer now. (Waiting here would
+                # hold up every batch behind this one on the peer's stream.)
+                return None
+            # Ours or ownerless: wait for the take-over. Unknown: a short
+            # grace, for the declaration's watch event still on its way.
             waited = time.monotonic() - started
-            if waited > (OWNED_WAIT if mine or (owner is None and vq in self.mirror.queues) else OWNED_GRACE):
+            if waited > (OWNED_WAIT if mine or vq in self.mirror.queues else OWNED_GRACE):
                 return None
             task = self._taking.get(vq)
             if task is not None:
