@@ -111,6 +111,8 @@ def _start(pg_dir: Path, data: Path, log_path: Path, popen_user: dict[str, Any])
                     "-c", "synchronous_commit=off",
                     "-c", "full_page_writes=off",
                     "-c", "max_connections=200",
+                    # As docs/ARCHITECTURE.md advises operators: vacuum keeps up with deletes.
+                    "-c", "autovacuum_naptime=1",
                 ],
                 cwd=pg_dir,
                 env=_env(pg_dir),
