@@ -18,7 +18,7 @@ from core.clock import AsyncioScheduler, Scheduler, TimerHandle
 from core.errors import AccessRefused
 from core.message import Message, QueuedMessage
 from core.queue_args import QueueArgs
-from core.ready import PriorityReady, requeue_into
+from core.ready import PriorityReady, requeue_into, take_offsets
 
 if TYPE_CHECKING:
     from core.durability import QueueStorage
@@ -241,6 +241,8 @@ class QueueChannel:
             consumer.unacked -= 1
         if qm.persisted:
             self.queue.forget(qm)
+        if self.queue.retained:
+            self.queue.retained.discard(qm.offset)
 
     def discard(self, items: Iterable[tuple[QueuedMessage, Consumer | None]]) -> None:
         """Rejected without requeue: settle, and dead-letter where the queue says so."""
@@ -260,6 +262,12 @@ class QueueChannel:
             if consumer is not None:
                 consumer.unacked -= 1
             if self.queue.deleted:
+                continue
+            if qm.offset in self.queue.retained:
+                # Retention removed it while it was out: it is settled, never redelivered.
+                self.queue.retained.discard(qm.offset)
+                if qm.persisted:
+                    self.queue.forget(qm)
                 continue
             qm.redelivered = True
             back.append(qm)
@@ -311,6 +319,14 @@ class QueueChannel:
         self.ready.clear()
         self.ready_bytes = 0
         return n
+
+    def take_offsets(self, offsets: set[int]) -> list[QueuedMessage]:
+        """Remove the ready messages with these offsets (retention) and return them."""
+        ready = self.ready
+        taken = ready.take_offsets(offsets) if isinstance(ready, PriorityReady) else take_offsets(ready, offsets)
+        for qm in taken:
+            self.ready_bytes -= len(qm.message.body)
+        return taken
 
     def drop_head(self) -> QueuedMessage:
         qm = self.ready.popleft()
@@ -367,6 +383,9 @@ class Queue:
         self._expires_timer: TimerHandle | None = None
         # Set by core.durability for durable queues when a store is configured.
         self.storage: QueueStorage | None = None
+        # Offsets retention removed while they may be delivered and unacked: such a
+        # message is dropped instead of requeued (drop_offsets).
+        self.retained: set[int] = set()
         self.touch()
 
     @property
@@ -438,6 +457,26 @@ class Queue:
             if qm.persisted:
                 self.forget(qm)
         self.dead_letter(messages, reason)
+
+    def drop_offsets(self, offsets: Iterable[int]) -> int:
+        """Retention removed these offsets: they are never delivered (again).
+
+        Ready messages leave at once (no dead-lettering: retention is not a
+        rejection), and their removal is queued in the store like an ack.
+        Offsets not found ready may be delivered and unacked: an ack settles
+        them as usual, a requeue drops them. Returns how many ready ones left.
+        """
+        wanted = set(offsets)
+        if not wanted or self.deleted:
+            return 0
+        found: set[int] = set()
+        for ch in self.channels:
+            for qm in ch.take_offsets(wanted):
+                found.add(qm.offset)
+                if qm.persisted:
+                    self.forget(qm)
+        self.retained |= wanted - found
+        return len(found)
 
     def restore(self, message: Message, offset: int, expires_at: float | None, delivery_count: int) -> None:
         """A message loaded from the store at start-up: back in place, redelivered."""

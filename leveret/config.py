@@ -27,6 +27,7 @@ class NodeConfig:
     memory_high_watermark: float = 0.4
     default_user: str = "guest"
     default_pass: str = "guest"
+    retention_interval: float = 0.0
 
     @property
     def resolved_node_id(self) -> str:
@@ -51,6 +52,8 @@ HELP = {
     "of RAM (<= 1) or bytes (> 1)",
     "default_user": "user created at start, allowed from loopback only (as RabbitMQ's guest)",
     "default_pass": "password of the default user",
+    "retention_interval": "run the retention job (docs/RETENTION.md) every this many seconds in a subprocess, "
+    "one run at a time (0: never)",
 }
 
 

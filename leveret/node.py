@@ -18,6 +18,7 @@ from core.store import MessageStore, StoreError
 from leveret import __version__
 from leveret.config import NodeConfig
 from leveret.grpc_server import GRPCServer
+from leveret.retention_schedule import RetentionService
 
 log = logging.getLogger("leveret.node")
 
@@ -29,6 +30,7 @@ class Node:
             node_id=config.resolved_node_id, default_user=(config.default_user, config.default_pass)
         )
         self.store: MessageStore | None = None
+        self.retention: RetentionService | None = None  # retention watch and schedule (leveret/retention_schedule.py)
         self.amqp = AMQPServer(
             self.broker,
             ServerSettings(
@@ -65,6 +67,9 @@ class Node:
         queues, messages = await durability.restore(self.broker)
         log.info("store opened", extra={"store": store.description, "durable_queues": queues,
                                         "messages_restored": messages})
+        from leveret.retention_schedule import start_retention
+
+        self.retention = await start_retention(self)
 
     def _fenced(self, queues: list[tuple[str, str]]) -> None:
         for vhost, name in queues:
@@ -129,6 +134,8 @@ class Node:
         self._monitor.cancel()
         await self.grpc.stop()
         await self.amqp.stop()
+        if self.retention is not None:
+            await self.retention.stop()
         if self.broker.committer is not None:
             try:
                 await asyncio.wait_for(self.broker.committer.drain(), timeout=10)
