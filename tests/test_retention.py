@@ -495,7 +495,46 @@ def test_live_node_never_delivers_what_the_job_removed(
                 got.append(props.message_id)
             assert got == [f"{name}-{o}" for o in kept], name
         conn.close()
-        applied = [e for e in node.events() if "retention applied" in (e.get("msg"), e.get("message"))]
+        applied = [e for e in node.events() if e.get("msg") == "retention applied"]
         assert len(applied) == len(LIVE_KEPT) - 1  # keep-q lost nothing, so no request for it
     finally:
         node.stop()
+
+
+@needs_java
+@pytest.mark.timeout(150)
+def test_scheduled_runs_one_at_a_time_under_the_lease(tmp_path: Path) -> None:
+    """--retention-interval runs the job in a subprocess; a lease held elsewhere makes it skip."""
+    from spark.retention_job import LEASE
+
+    data = tmp_path / "data"
+    backend = sqlite_backend(data, LIVE_QUEUES)
+    assert backend.take_lease(LEASE, "someone-else", 300)
+    node = _Node(data, "--retention-interval", "0.5")
+    try:
+        deadline = time.monotonic() + 30
+        while not any(e.get("msg") == "retention run skipped: another run holds the lease" for e in node.events()):
+            assert time.monotonic() < deadline, node.log.read_text()[-3000:]
+            time.sleep(0.2)
+        report = data / "retention" / "last-report.json"
+        assert not report.exists()
+        backend.release_lease(LEASE, "someone-else")
+        deadline = time.monotonic() + 100
+        while not any(e.get("msg") == "retention run finished" for e in node.events()):
+            assert time.monotonic() < deadline, (data / "retention" / "run.log").read_text()[-3000:]
+            time.sleep(0.5)
+        done = json.loads(report.read_text())
+        assert done["live_nodes"]  # the node kept serving and applied the requests itself
+        assert offsets_by_queue(backend, LIVE_QUEUES)["len-q"] == [8, 9, 10]
+        # Never two runs at once: each start is followed by its end before the next start.
+        running = False
+        for e in node.events():
+            if e.get("msg") == "retention run starting":
+                assert not running
+                running = True
+            elif e.get("msg") in ("retention run finished", "retention run failed",
+                                      "retention run skipped: another run holds the lease"):
+                running = False
+    finally:
+        node.stop()
+        backend.close()
