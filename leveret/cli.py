@@ -39,6 +39,9 @@ def build_parser() -> argparse.ArgumentParser:
     from leveret import retention
 
     retention.add_parser(sub)
+    from leveret import users
+
+    users.add_parsers(sub)
     return parser
 
 
@@ -49,6 +52,10 @@ def main(argv: list[str] | None = None) -> int:
         from leveret import retention
 
         return retention.main(args, parser)
+    if args.command in ("users", "vhosts"):
+        from leveret import users
+
+        return users.main(args)
     if args.command != "serve":
         parser.print_help()
         return 2

@@ -44,18 +44,7 @@ class Node:
         self.grpc = GRPCServer(self.broker, config.max_message_size)
 
     def _make_store(self) -> MessageStore:
-        cfg = self.config
-        if cfg.store == "sqlite":
-            from persistence.sqlite import SQLiteStore
-
-            return SQLiteStore(str(Path(cfg.data_dir) / "leveret.sqlite3"))
-        if cfg.store == "postgres":
-            if not cfg.postgres_dsn:
-                raise StoreError("--store postgres needs --postgres-dsn (or LEVERET_POSTGRES_DSN)")
-            from persistence.postgres import PostgresStore
-
-            return PostgresStore(cfg.postgres_dsn)
-        raise StoreError(f"unknown store {cfg.store!r}; use sqlite or postgres")
+        return make_store(self.config)
 
     async def _open_store(self) -> None:
         store = self._make_store()
@@ -154,6 +143,21 @@ class Node:
         await self.start()
         await stop.wait()
         await self.stop()
+
+
+def make_store(cfg: NodeConfig) -> MessageStore:
+    """The store the config names (also used by the ``users``/``vhosts`` commands)."""
+    if cfg.store == "sqlite":
+        from persistence.sqlite import SQLiteStore
+
+        return SQLiteStore(str(Path(cfg.data_dir) / "leveret.sqlite3"))
+    if cfg.store == "postgres":
+        if not cfg.postgres_dsn:
+            raise StoreError("--store postgres needs --postgres-dsn (or LEVERET_POSTGRES_DSN)")
+        from persistence.postgres import PostgresStore
+
+        return PostgresStore(cfg.postgres_dsn)
+    raise StoreError(f"unknown store {cfg.store!r}; use sqlite or postgres")
 
 
 def run(config: NodeConfig) -> None:

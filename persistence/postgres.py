@@ -26,6 +26,7 @@ import asyncio
 import contextlib
 import dataclasses
 import hashlib
+import json
 import math
 import re
 from collections.abc import AsyncIterator, Iterator, Sequence
@@ -47,6 +48,7 @@ from core.store import (
     StoredMessage,
     StoreError,
     Topology,
+    UserRecord,
 )
 from persistence.migrate import apply_postgres
 
@@ -314,6 +316,58 @@ class PostgresStore:
                         binding_arguments_key(record.arguments),
                     ),
                 )
+
+    # -- users and vhosts ------------------------------------------------------------
+    async def load_users(self) -> list[UserRecord]:
+        with self._guard("loading users"):
+            async with self._connection() as conn:
+                cur = await conn.execute(
+                    "SELECT name, salt, password_hash, tags, vhosts, loopback_only FROM users ORDER BY name"
+                )
+                rows = await cur.fetchall()
+        return [
+            UserRecord(name, bytes(salt), bytes(digest), json.loads(tags), json.loads(vhosts), bool(loopback))
+            for name, salt, digest, tags, vhosts, loopback in rows
+        ]
+
+    async def save_user(self, record: UserRecord) -> None:
+        with self._guard(f"saving user {record.name}"):
+            async with self._connection() as conn:
+                await conn.execute(
+                    "INSERT INTO users (name, salt, password_hash, tags, vhosts, loopback_only)"
+                    " VALUES (%s, %s, %s, %s, %s, %s) ON CONFLICT (name) DO UPDATE SET salt = EXCLUDED.salt,"
+                    " password_hash = EXCLUDED.password_hash, tags = EXCLUDED.tags, vhosts = EXCLUDED.vhosts,"
+                    " loopback_only = EXCLUDED.loopback_only",
+                    (record.name, record.salt, record.password_hash, json.dumps(record.tags),
+                     json.dumps(record.vhosts), record.loopback_only),
+                )  # fmt: skip
+
+    async def delete_user(self, name: str) -> bool:
+        with self._guard(f"deleting user {name}"):
+            async with self._connection() as conn:
+                cur = await conn.execute("DELETE FROM users WHERE name = %s", (name,))
+                return cur.rowcount > 0
+
+    async def load_vhosts(self) -> list[str]:
+        with self._guard("loading vhosts"):
+            async with self._connection() as conn:
+                cur = await conn.execute("SELECT name FROM vhosts ORDER BY name")
+                return [str(r[0]) for r in await cur.fetchall()]
+
+    async def save_vhost(self, name: str) -> None:
+        with self._guard(f"saving vhost {name}"):
+            async with self._connection() as conn:
+                await conn.execute("INSERT INTO vhosts (name) VALUES (%s) ON CONFLICT (name) DO NOTHING", (name,))
+
+    async def delete_vhost(self, name: str) -> bool:
+        with self._guard(f"deleting vhost {name}"):
+            async with self._connection() as conn, conn.transaction():
+                # Epoch rows first, in the lock order of commit and delete_queue.
+                await conn.execute("DELETE FROM queue_epochs WHERE vhost = %s", (name,))
+                for table in ("messages", "bindings", "queues", "exchanges"):
+                    await conn.execute(f"DELETE FROM {table} WHERE vhost = %s", (name,))  # type: ignore[arg-type]
+                cur = await conn.execute("DELETE FROM vhosts WHERE name = %s", (name,))
+                return cur.rowcount > 0
 
     # -- ownership and messages -------------------------------------------------------
     async def claim(self, vhost: str, queue: str, epoch: int | None = None) -> int:
