@@ -29,11 +29,10 @@ class RetentionWatch:
         self.table = table
         self.poll = poll
         self.applied = 0
+        self._open = False
         self._task: asyncio.Task[None] | None = None
 
     async def start(self) -> None:
-        await self.table.open()
-        await self.table.heartbeat(self.broker.node_id, HEARTBEAT_TTL)
         self._task = asyncio.create_task(self._run())
 
     async def stop(self) -> None:
@@ -43,25 +42,45 @@ class RetentionWatch:
                 await self._task
             except asyncio.CancelledError:
                 pass
+        if self._open:
+            try:
+                await self.table.leave(self.broker.node_id)
+            except Exception as exc:  # noqa: BLE001 - best effort: the row expires anyway
+                log.warning("could not remove the retention watcher row", extra={"error": str(exc)})
+        await self._close()
+
+    async def _close(self) -> None:
+        self._open = False
         try:
-            await self.table.leave(self.broker.node_id)
-        except Exception as exc:  # noqa: BLE001 - best effort: the row expires anyway
-            log.warning("could not remove the retention watcher row", extra={"error": str(exc)})
-        await self.table.close()
+            await self.table.close()
+        except Exception:  # noqa: BLE001, S110 - closing a connection that is gone already
+            pass
 
     async def _run(self) -> None:
         beat = 0.0
+        failing = False
         while True:
             try:
+                if not self._open:
+                    await self.table.open()
+                    self._open = True
                 if time.monotonic() - beat > HEARTBEAT_TTL / 3:
                     await self.table.heartbeat(self.broker.node_id, HEARTBEAT_TTL)
                     beat = time.monotonic()
                 await self.apply_pending()
+                if failing:
+                    log.info("retention requests available again")
+                    failing = False
+                await self.table.wait(self.poll)
             except asyncio.CancelledError:
                 raise
-            except Exception as exc:  # noqa: BLE001 - the store may be down; keep serving, retry
-                log.warning("retention requests unavailable; retrying", extra={"error": str(exc)})
-            await self.table.wait(self.poll)
+            except Exception as exc:  # noqa: BLE001 - the store may be down: keep serving, reconnect, retry
+                if not failing:
+                    log.warning("retention requests unavailable; retrying", extra={"error": str(exc)})
+                    failing = True
+                await self._close()
+                beat = 0.0
+                await asyncio.sleep(self.poll)
 
     async def apply_pending(self) -> int:
         """Apply every pending request for a queue held here; return how many were applied."""

@@ -130,6 +130,7 @@ class PostgresRequests:
     def __init__(self, dsn: str) -> None:
         self.dsn = dsn
         self._conn: Any = None
+        self._listen_conn: Any = None
         self._notified = asyncio.Event()
         self._listener: asyncio.Task[None] | None = None
         self._lock = asyncio.Lock()
@@ -158,10 +159,10 @@ class PostgresRequests:
             except (asyncio.CancelledError, Exception):  # noqa: BLE001 - the connection may be gone already
                 pass
             self._listener = None
-        for conn in (getattr(self, "_listen_conn", None), self._conn):
+        for conn in (self._listen_conn, self._conn):
             if conn is not None:
                 await conn.close()
-        self._conn = None
+        self._conn = self._listen_conn = None
 
     async def _exec(self, sql: str, params: tuple[Any, ...] = ()) -> Any:
         async with self._lock:
