@@ -27,6 +27,7 @@ import asyncio
 import contextlib
 import datetime
 import decimal
+import json
 import subprocess
 import time
 import uuid
@@ -696,3 +697,49 @@ def test_message_nacked_with_requeue_twice_survives_kill9_redelivered(node: Node
     assert [g.body for g in got] == [seq_body(i) for i in range(3)]
     assert all(g.redelivered for g in got)
 
+
+
+# -- users and vhosts ------------------------------------------------------------------------
+
+
+def _login(node: NodeProcess, user: str, password: str, vhost: str) -> pika.BlockingConnection:
+    params = pika.ConnectionParameters("127.0.0.1", node.amqp_port, vhost, pika.PlainCredentials(user, password),
+                                       connection_attempts=1)  # fmt: skip
+    return pika.BlockingConnection(params)
+
+
+def test_users_and_vhosts_survive_restarts(node: NodeProcess, store_args: list[str],
+                                           capsys: pytest.CaptureFixture[str]) -> None:  # fmt: skip
+    """``leveret users|vhosts`` write through the store; a node loads them at every start."""
+    from leveret.cli import main as cli
+
+    flags = [*store_args, "--data-dir", str(node.data_dir)]
+    assert cli(["vhosts", "add", "app", *flags]) == 0
+    assert cli(["users", "add", "alice", "--password", "s3cret", "--vhost", "app", "--tag", "monitoring",
+                *flags]) == 0  # fmt: skip
+    assert cli(["users", "list", *flags]) == 0
+    assert "alice\ttags=monitoring\tvhosts=app" in capsys.readouterr().out
+
+    for _ in range(2):  # the first start loads them, and a restart still has them
+        node.start()
+        conn = _login(node, "alice", "s3cret", "app")
+        conn.channel().queue_declare("in-app", durable=True)
+        conn.close()
+        with pytest.raises(pika.exceptions.ProbableAuthenticationError):
+            _login(node, "alice", "wrong", "app")
+        with pytest.raises(pika.exceptions.ProbableAccessDeniedError):
+            _login(node, "alice", "s3cret", "/")  # no permission there
+        assert node.terminate() == 0
+
+    assert cli(["users", "delete", "alice", *flags]) == 0
+    assert cli(["users", "delete", "alice", *flags]) == 1  # gone already: says so
+    assert cli(["vhosts", "delete", "app", *flags]) == 0
+    capsys.readouterr()
+    assert cli(["vhosts", "list", "--json", *flags]) == 0
+    assert "app" not in json.loads(capsys.readouterr().out)
+    node.start()
+    with pytest.raises(pika.exceptions.ProbableAuthenticationError):
+        _login(node, "alice", "s3cret", "app")
+    with pytest.raises(pika.exceptions.ProbableAccessDeniedError):
+        _login(node, "guest", "guest", "app")  # the vhost is gone, with its durable queue
+    _login(node, "guest", "guest", "/").close()  # the default user still works

@@ -83,6 +83,7 @@ class Durability:
         broker.durability = self
         for vh in broker.vhosts.values():
             vh.durability = self
+        await self.restore_users(broker)
         for xr in topo.exchanges:
             vh = broker.add_vhost(xr.vhost)
             if xr.name not in vh.exchanges:
@@ -138,6 +139,15 @@ class Durability:
         q.committed = await self.store.load_offsets(q.storage.vhost, q.storage.name)
         q.enforce_age()  # for the time the node was down
         return loaded
+    async def restore_users(self, broker: Broker) -> None:
+        """Vhosts and users written by ``leveret vhosts|users``; a stored user replaces a default one."""
+        from core.broker import User
+
+        for name in await self.store.load_vhosts():
+            broker.add_vhost(name)
+        for r in await self.store.load_users():
+            broker.users[r.name] = User(r.name, r.salt, r.password_hash, tuple(r.tags), set(r.vhosts),
+                                        r.loopback_only)  # fmt: skip
 
     # -- topology changes (called by the vhost) -------------------------------------
     def exchange_declared(self, vhost: VirtualHost, x: Exchange) -> None:

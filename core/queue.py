@@ -18,7 +18,7 @@ from core.clock import AsyncioScheduler, Scheduler, TimerHandle
 from core.errors import AccessRefused
 from core.message import Message, QueuedMessage
 from core.queue_args import QueueArgs
-from core.ready import PriorityReady, requeue_into
+from core.ready import PriorityReady, requeue_into, take_offsets
 
 if TYPE_CHECKING:
     from core.durability import QueueStorage
@@ -248,6 +248,8 @@ class QueueChannel:
             self.queue.forget(qm)
         elif qm.link is not None:
             qm.link.settle(qm)
+        if self.queue.retained:
+            self.queue.retained.discard(qm.offset)
 
     def discard(self, items: Iterable[tuple[QueuedMessage, Consumer | None]]) -> None:
         """Rejected without requeue: settle, and dead-letter where the queue says so."""
@@ -274,6 +276,12 @@ class QueueChannel:
                 continue
             if qm.link is not None and not qm.link.keeps(qm):
                 qm.link.give_back(qm)  # its proxied subscription ended: the owner requeues it
+                continue
+            if qm.offset in self.queue.retained:
+                # Retention removed it while it was out: it is settled, never redelivered.
+                self.queue.retained.discard(qm.offset)
+                if qm.persisted:
+                    self.queue.forget(qm)
                 continue
             qm.redelivered = True
             back.append(qm)
@@ -329,6 +337,14 @@ class QueueChannel:
         self.ready.clear()
         self.ready_bytes = 0
         return n
+
+    def take_offsets(self, offsets: set[int]) -> list[QueuedMessage]:
+        """Remove the ready messages with these offsets (retention) and return them."""
+        ready = self.ready
+        taken = ready.take_offsets(offsets) if isinstance(ready, PriorityReady) else take_offsets(ready, offsets)
+        for qm in taken:
+            self.ready_bytes -= len(qm.message.body)
+        return taken
 
     def drop_head(self) -> QueuedMessage:
         qm = self.ready.popleft()
@@ -388,6 +404,9 @@ class Queue:
         # Cluster: set while another node owns the queue (or it is being taken
         # over); publishes go there and consumers are served through a proxy.
         self.remote: QueueRemote | None = None
+        # Offsets retention removed while they may be delivered and unacked: such a
+        # message is dropped instead of requeued (drop_offsets).
+        self.retained: set[int] = set()
         self.touch()
 
     @property
@@ -462,6 +481,26 @@ class Queue:
             if qm.persisted:
                 self.forget(qm)
         self.dead_letter(messages, reason)
+
+    def drop_offsets(self, offsets: Iterable[int]) -> int:
+        """Retention removed these offsets: they are never delivered (again).
+
+        Ready messages leave at once (no dead-lettering: retention is not a
+        rejection), and their removal is queued in the store like an ack.
+        Offsets not found ready may be delivered and unacked: an ack settles
+        them as usual, a requeue drops them. Returns how many ready ones left.
+        """
+        wanted = set(offsets)
+        if not wanted or self.deleted:
+            return 0
+        found: set[int] = set()
+        for ch in self.channels:
+            for qm in ch.take_offsets(wanted):
+                found.add(qm.offset)
+                if qm.persisted:
+                    self.forget(qm)
+        self.retained |= wanted - found
+        return len(found)
 
     def restore(self, message: Message, offset: int, expires_at: float | None, delivery_count: int) -> None:
         """A message loaded from the store at start-up: back in place, redelivered."""

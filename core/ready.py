@@ -23,6 +23,16 @@ def requeue_into(ready: deque[QueuedMessage], back: list[QueuedMessage]) -> None
     ready.extend(merged)
 
 
+def take_offsets(ready: deque[QueuedMessage], offsets: set[int]) -> list[QueuedMessage]:
+    """Remove and return the messages of ``ready`` whose offset is in ``offsets`` (order kept)."""
+    taken = [qm for qm in ready if qm.offset in offsets]
+    if taken:
+        kept = [qm for qm in ready if qm.offset not in offsets]
+        ready.clear()
+        ready.extend(kept)
+    return taken
+
+
 class PriorityReady:
     """``x-max-priority`` queues: highest priority first, FIFO (by offset) within one.
 
@@ -70,6 +80,13 @@ class PriorityReady:
         for level in self.levels:
             level.clear()
         self._len = 0
+
+    def take_offsets(self, offsets: set[int]) -> list[QueuedMessage]:
+        taken = []
+        for level in self.levels:
+            taken.extend(take_offsets(level, offsets))
+        self._len -= len(taken)
+        return taken
 
     def requeue(self, back: list[QueuedMessage]) -> None:
         by_level: dict[int, list[QueuedMessage]] = {}

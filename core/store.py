@@ -64,6 +64,16 @@ class Topology:
 
 
 @dataclass
+class UserRecord:
+    name: str
+    salt: bytes
+    password_hash: bytes
+    tags: list[str] = field(default_factory=list)
+    vhosts: list[str] = field(default_factory=list)  # the vhosts the user may open
+    loopback_only: bool = False
+
+
+@dataclass
 class StoredMessage:
     """One persistent message in one durable queue, as the store keeps it."""
 
@@ -126,6 +136,21 @@ class MessageStore(Protocol):
     async def save_binding(self, record: BindingRecord) -> None: ...
 
     async def delete_binding(self, record: BindingRecord) -> None: ...
+
+    # -- users and vhosts (rare; written by ``leveret users|vhosts``, read at start) --------
+    async def load_users(self) -> list[UserRecord]: ...
+
+    async def save_user(self, record: UserRecord) -> None: ...
+
+    async def delete_user(self, name: str) -> bool: ...
+
+    async def load_vhosts(self) -> list[str]: ...
+
+    async def save_vhost(self, name: str) -> None: ...
+
+    async def delete_vhost(self, name: str) -> bool:
+        """Also deletes everything in it: exchanges, queues, bindings, messages, epochs."""
+        ...
 
     # -- ownership and messages --------------------------------------------------
     async def claim(self, vhost: str, queue: str, epoch: int | None = None) -> int:

@@ -45,6 +45,9 @@ def build_parser() -> argparse.ArgumentParser:
     from leveret import streams_cli
 
     streams_cli.add_parser(sub)
+    from leveret import users
+
+    users.add_parsers(sub)
     return parser
 
 
@@ -67,6 +70,10 @@ def main(argv: list[str] | None = None) -> int:
         from leveret import streams_cli
 
         return streams_cli.main(args, parser)
+    if args.command in ("users", "vhosts"):
+        from leveret import users
+
+        return users.main(args)
     if args.command != "serve":
         parser.print_help()
         return 2

@@ -33,6 +33,7 @@ class NodeConfig:
     region: str = ""
     lease_ttl: int = 2
     advertise_host: str = ""
+    retention_interval: float = 0.0
 
     @property
     def resolved_node_id(self) -> str:
@@ -65,6 +66,8 @@ HELP = {
     "lease_ttl": "seconds a node's etcd lease lives without refresh; its queues move after that",
     "advertise_host": "host other nodes and clients use to reach this node (default: --bind, or 127.0.0.1 "
     "when binding to all addresses)",
+    "retention_interval": "run the retention job (docs/RETENTION.md) every this many seconds in a subprocess, "
+    "one run at a time (0: never)",
 }
 
 

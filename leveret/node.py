@@ -20,6 +20,7 @@ from core.stream import StreamQueue
 from leveret import __version__
 from leveret.config import NodeConfig
 from leveret.grpc_server import GRPCServer
+from leveret.retention_schedule import RetentionService
 
 if TYPE_CHECKING:
     from coordination.etcd import EtcdCluster
@@ -34,6 +35,7 @@ class Node:
             node_id=config.resolved_node_id, default_user=(config.default_user, config.default_pass)
         )
         self.store: MessageStore | None = None
+        self.retention: RetentionService | None = None  # retention watch and schedule (leveret/retention_schedule.py)
         self.amqp = AMQPServer(
             self.broker,
             ServerSettings(
@@ -49,18 +51,7 @@ class Node:
         StreamQueue.memory_limit = config.stream_memory_bytes
 
     def _make_store(self) -> MessageStore:
-        cfg = self.config
-        if cfg.store == "sqlite":
-            from persistence.sqlite import SQLiteStore
-
-            return SQLiteStore(str(Path(cfg.data_dir) / "leveret.sqlite3"))
-        if cfg.store == "postgres":
-            if not cfg.postgres_dsn:
-                raise StoreError("--store postgres needs --postgres-dsn (or LEVERET_POSTGRES_DSN)")
-            from persistence.postgres import PostgresStore
-
-            return PostgresStore(cfg.postgres_dsn)
-        raise StoreError(f"unknown store {cfg.store!r}; use sqlite or postgres")
+        return make_store(self.config)
 
     async def _open_store(self) -> None:
         store = self._make_store()
@@ -68,15 +59,20 @@ class Node:
         self.store = store
         committer = GroupCommitter(store, on_fenced=self._fenced)
         self.broker.committer = committer
+        durability = Durability(store, committer)
         if self.config.etcd:
             # Cluster mode: etcd holds the topology; each queue's owner loads
             # its backlog when it takes the queue (coordination/etcd.py).
+            # Stored users and vhosts seed the cluster's when it has none.
+            await durability.restore_users(self.broker)
             log.info("store opened", extra={"store": store.description, "mode": "cluster"})
-            return
-        durability = Durability(store, committer)
-        queues, messages = await durability.restore(self.broker)
-        log.info("store opened", extra={"store": store.description, "durable_queues": queues,
-                                        "messages_restored": messages})
+        else:
+            queues, messages = await durability.restore(self.broker)
+            log.info("store opened", extra={"store": store.description, "durable_queues": queues,
+                                            "messages_restored": messages})
+        from leveret.retention_schedule import start_retention
+
+        self.retention = await start_retention(self)
 
     def _advertised(self, port: int) -> str:
         host = self.config.advertise_host or self.config.bind
@@ -181,6 +177,8 @@ class Node:
             await self.cluster.stop(handover=True)
         await self.grpc.stop()
         await self.amqp.stop()
+        if self.retention is not None:
+            await self.retention.stop()
         if self.broker.committer is not None:
             try:
                 await asyncio.wait_for(self.broker.committer.drain(), timeout=10)
@@ -199,6 +197,21 @@ class Node:
         await self.start()
         await stop.wait()
         await self.stop()
+
+
+def make_store(cfg: NodeConfig) -> MessageStore:
+    """The store the config names (also used by the ``users``/``vhosts`` commands)."""
+    if cfg.store == "sqlite":
+        from persistence.sqlite import SQLiteStore
+
+        return SQLiteStore(str(Path(cfg.data_dir) / "leveret.sqlite3"))
+    if cfg.store == "postgres":
+        if not cfg.postgres_dsn:
+            raise StoreError("--store postgres needs --postgres-dsn (or LEVERET_POSTGRES_DSN)")
+        from persistence.postgres import PostgresStore
+
+        return PostgresStore(cfg.postgres_dsn)
+    raise StoreError(f"unknown store {cfg.store!r}; use sqlite or postgres")
 
 
 def run(config: NodeConfig) -> None:

@@ -24,7 +24,9 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import hashlib
+import json
 import logging
 import math
 import re
@@ -47,6 +49,7 @@ from core.store import (
     StoredMessage,
     StoreError,
     Topology,
+    UserRecord,
 )
 from persistence.migrate import apply_postgres
 
@@ -327,6 +330,58 @@ class PostgresStore:
                     ),
                 )
 
+    # -- users and vhosts ------------------------------------------------------------
+    async def load_users(self) -> list[UserRecord]:
+        with self._guard("loading users"):
+            async with self._connection() as conn:
+                cur = await conn.execute(
+                    "SELECT name, salt, password_hash, tags, vhosts, loopback_only FROM users ORDER BY name"
+                )
+                rows = await cur.fetchall()
+        return [
+            UserRecord(name, bytes(salt), bytes(digest), json.loads(tags), json.loads(vhosts), bool(loopback))
+            for name, salt, digest, tags, vhosts, loopback in rows
+        ]
+
+    async def save_user(self, record: UserRecord) -> None:
+        with self._guard(f"saving user {record.name}"):
+            async with self._connection() as conn:
+                await conn.execute(
+                    "INSERT INTO users (name, salt, password_hash, tags, vhosts, loopback_only)"
+                    " VALUES (%s, %s, %s, %s, %s, %s) ON CONFLICT (name) DO UPDATE SET salt = EXCLUDED.salt,"
+                    " password_hash = EXCLUDED.password_hash, tags = EXCLUDED.tags, vhosts = EXCLUDED.vhosts,"
+                    " loopback_only = EXCLUDED.loopback_only",
+                    (record.name, record.salt, record.password_hash, json.dumps(record.tags),
+                     json.dumps(record.vhosts), record.loopback_only),
+                )  # fmt: skip
+
+    async def delete_user(self, name: str) -> bool:
+        with self._guard(f"deleting user {name}"):
+            async with self._connection() as conn:
+                cur = await conn.execute("DELETE FROM users WHERE name = %s", (name,))
+                return cur.rowcount > 0
+
+    async def load_vhosts(self) -> list[str]:
+        with self._guard("loading vhosts"):
+            async with self._connection() as conn:
+                cur = await conn.execute("SELECT name FROM vhosts ORDER BY name")
+                return [str(r[0]) for r in await cur.fetchall()]
+
+    async def save_vhost(self, name: str) -> None:
+        with self._guard(f"saving vhost {name}"):
+            async with self._connection() as conn:
+                await conn.execute("INSERT INTO vhosts (name) VALUES (%s) ON CONFLICT (name) DO NOTHING", (name,))
+
+    async def delete_vhost(self, name: str) -> bool:
+        with self._guard(f"deleting vhost {name}"):
+            async with self._connection() as conn, conn.transaction():
+                # Epoch rows first, in the lock order of commit and delete_queue.
+                await conn.execute("DELETE FROM queue_epochs WHERE vhost = %s", (name,))
+                for table in ("messages", "bindings", "queues", "exchanges"):
+                    await conn.execute(f"DELETE FROM {table} WHERE vhost = %s", (name,))  # type: ignore[arg-type]
+                cur = await conn.execute("DELETE FROM vhosts WHERE name = %s", (name,))
+                return cur.rowcount > 0
+
     # -- ownership and messages -------------------------------------------------------
     async def claim(self, vhost: str, queue: str, epoch: int | None = None) -> int:
         with self._guard(f"claiming {vhost}/{queue}"):
@@ -401,6 +456,31 @@ class PostgresStore:
         if not batch.epochs and not len(batch):
             return
         _require_epochs(batch)
+        parts = _split(batch, self._pool_size)
+        if len(parts) > 1:
+            await self._commit_parts(parts)
+            return
+        await self._commit_one(batch)
+
+    async def _commit_parts(self, parts: list[Batch]) -> None:
+        """Commit the parts of one large batch on several connections at once.
+
+        One backend copying large bodies is CPU-bound in the server (TOAST
+        chunking, WAL); parts in parallel use the other cores. The batch
+        succeeds only when every part has committed; a failed part fails the
+        whole batch (its publishes are nacked, so a message of a part that did
+        commit may be published again: at least once, never lost). Every part
+        checks the epochs itself, so fencing holds for each.
+        """
+        results = await asyncio.gather(*(self._commit_one(p) for p in parts), return_exceptions=True)
+        errors = [r for r in results if isinstance(r, BaseException)]
+        fenced = [e for e in errors if isinstance(e, Fenced)]
+        if fenced:
+            raise fenced[0]
+        if errors:
+            raise errors[0]
+
+    async def _commit_one(self, batch: Batch) -> None:
         with self._guard(f"committing a batch of {len(batch)}"):
             try:
                 await self._commit(batch, idempotent=False)
@@ -516,6 +596,48 @@ class PostgresStore:
                 f"INSERT INTO messages ({_MESSAGE_COLUMNS}) SELECT {_MESSAGE_COLUMNS} FROM leveret_staging"
                 " ON CONFLICT DO NOTHING"
             )
+
+
+# A batch whose appends carry at least this many body bytes is split over
+# several connections (at most one part per SPLIT_PART_BYTES, at most the pool).
+SPLIT_MIN_BYTES = 2 * 1024 * 1024
+SPLIT_PART_BYTES = 1024 * 1024
+
+
+def _split(batch: Batch, connections: int) -> list[Batch]:
+    """Parts of ``batch`` to commit in parallel: the first carries every purge, removal and
+    delivery count, the appends are dealt out by size. A single part when small."""
+    total = sum(len(m.body) for m in batch.appends)
+    parts = min(connections, len(batch.appends), total // SPLIT_PART_BYTES)
+    # Purges stay with their appends: a purge in one part, run after another
+    # part committed, would delete messages published after it.
+    if total < SPLIT_MIN_BYTES or parts < 2 or batch.purges:
+        return [batch]
+    appends = list(batch.appends)
+    # A delivery count for a message appended in this batch goes into the
+    # appended row: an UPDATE in one part cannot see a row another part inserts.
+    counts = list(batch.delivery_counts)
+    if counts:
+        index = {(m.vhost, m.queue, m.offset): i for i, m in enumerate(appends)}
+        rest = []
+        for v, q, o, n in counts:
+            i = index.get((v, q, o))
+            if i is None:
+                rest.append((v, q, o, n))
+            else:
+                appends[i] = dataclasses.replace(appends[i], delivery_count=n)
+        counts = rest
+    out = [Batch(epochs=dict(batch.epochs)) for _ in range(parts)]
+    out[0].removals = list(batch.removals)
+    out[0].delivery_counts = counts
+    loads = [0] * parts
+    for m in appends:  # largest bodies are the usual case; greedy keeps parts even
+        i = loads.index(min(loads))
+        out[i].appends.append(m)
+        loads[i] += len(m.body)
+    for part in out:  # offsets in order within each part, as COPY wrote them before
+        part.appends.sort(key=lambda m: (m.vhost, m.queue, m.offset))
+    return out
 
 
 def _require_epochs(batch: Batch) -> None:

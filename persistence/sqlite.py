@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
+import json
 import re
 import sqlite3
 import threading
@@ -28,6 +29,7 @@ from core.store import (
     StoredMessage,
     StoreError,
     Topology,
+    UserRecord,
 )
 
 T = TypeVar("T")
@@ -175,6 +177,47 @@ class SQLiteStore:
                  arguments_key(encoded)),
             )
         )
+
+    # -- users and vhosts ------------------------------------------------------------
+    async def load_users(self) -> list[UserRecord]:
+        def load(db: sqlite3.Connection) -> list[UserRecord]:
+            return [
+                UserRecord(name, bytes(salt), bytes(digest), json.loads(tags), json.loads(vhosts), bool(loopback))
+                for name, salt, digest, tags, vhosts, loopback in db.execute(
+                    "SELECT name, salt, password_hash, tags, vhosts, loopback_only FROM users ORDER BY name"
+                )
+            ]
+
+        return await self._run(load)
+
+    async def save_user(self, record: UserRecord) -> None:
+        await self._run(
+            lambda db: db.execute(
+                "INSERT OR REPLACE INTO users (name, salt, password_hash, tags, vhosts, loopback_only)"
+                " VALUES (?, ?, ?, ?, ?, ?)",
+                (record.name, record.salt, record.password_hash, json.dumps(record.tags), json.dumps(record.vhosts),
+                 int(record.loopback_only)),
+            )
+        )
+
+    async def delete_user(self, name: str) -> bool:
+        return await self._run(lambda db: db.execute("DELETE FROM users WHERE name = ?", (name,)).rowcount > 0)
+
+    async def load_vhosts(self) -> list[str]:
+        return await self._run(lambda db: [r[0] for r in db.execute("SELECT name FROM vhosts ORDER BY name")])
+
+    async def save_vhost(self, name: str) -> None:
+        await self._run(lambda db: db.execute("INSERT OR IGNORE INTO vhosts (name) VALUES (?)", (name,)))
+
+    async def delete_vhost(self, name: str) -> bool:
+        def delete(db: sqlite3.Connection) -> bool:
+            with _transaction(db):
+                found = db.execute("DELETE FROM vhosts WHERE name = ?", (name,)).rowcount > 0
+                for table in ("exchanges", "queues", "bindings", "messages", "queue_epochs"):
+                    db.execute(f"DELETE FROM {table} WHERE vhost = ?", (name,))
+                return found
+
+        return await self._run(delete)
 
     # -- ownership and messages --------------------------------------------------
     async def claim(self, vhost: str, queue: str, epoch: int | None = None) -> int:

@@ -61,6 +61,12 @@ class Backend:
         self.dsn = dsn
         self._conn: Any = None
 
+    def clone(self) -> Backend:
+        """The same store over a connection of its own (for another thread)."""
+        other = Backend(self.kind, dsn=self.dsn)
+        other.path = self.path
+        return other
+
     # -- connections -------------------------------------------------------------
     def connect(self) -> Any:
         if self._conn is not None:
@@ -222,3 +228,75 @@ class Backend:
                 conn.execute("ROLLBACK")
             raise
         return int(deleted)
+
+    # -- live brokers (docs/RETENTION.md, "Live brokers") ---------------------------------
+    def live_watchers(self, now: float | None = None) -> list[str]:
+        """Nodes that apply retention requests (their heartbeat row has not expired)."""
+        now = time.time() if now is None else now
+        return [str(r[0]) for r in self._rows("SELECT node FROM retention_watchers WHERE expires_at > ?", (now,))]
+
+    def request(self, vhost: str, queue: str, run_id: str, epoch: int) -> None:
+        """Ask the queue's owner to drop its marked rows from memory (NOTIFY on Postgres)."""
+        self._execute(
+            "INSERT INTO retention_requests (vhost, queue, run_id, epoch, state, created_at)"
+            " VALUES (?, ?, ?, ?, 'pending', ?) ON CONFLICT (vhost, queue, run_id) DO UPDATE SET state = 'pending'",
+            (vhost, queue, run_id, epoch, time.time()),
+        )
+        if self.kind == "postgres":
+            from persistence.retention_requests import CHANNEL
+
+            self._execute("SELECT pg_notify(?, ?)", (CHANNEL, f"{vhost}/{queue}"))
+
+    def request_states(self, run_id: str) -> dict[tuple[str, str], str]:
+        return {
+            (v, q): str(s)
+            for v, q, s in self._rows("SELECT vhost, queue, state FROM retention_requests WHERE run_id = ?", (run_id,))
+        }
+
+    def forget_applied_requests(self) -> int:
+        return self._execute("DELETE FROM retention_requests WHERE state = 'applied'")
+
+    def delete_marked(self, vhost: str, queue: str, epoch: int) -> int | None:
+        """Delete the queue's marked rows (its owner dropped them already), fenced on ``epoch``."""
+        conn = self.connect()
+        fence = "EXISTS (SELECT 1 FROM queue_epochs e WHERE e.vhost = ? AND e.queue = ? AND e.epoch = ?)"
+        sql = f"DELETE FROM messages WHERE vhost = ? AND queue = ? AND state = '{MARKED}' AND {fence}"
+        params = (vhost, queue, vhost, queue, epoch)
+        if self.kind == "postgres":
+            with conn.transaction():
+                row = conn.execute(
+                    "SELECT epoch FROM queue_epochs WHERE vhost = %s AND queue = %s FOR SHARE", (vhost, queue)
+                ).fetchone()
+                if row is None or int(row[0]) != epoch:
+                    return None
+                return int(conn.execute(sql.replace("?", "%s"), params).rowcount)
+        conn.execute("BEGIN IMMEDIATE")
+        try:
+            row = conn.execute(
+                "SELECT epoch FROM queue_epochs WHERE vhost = ? AND queue = ?", (vhost, queue)
+            ).fetchone()
+            if row is None or int(row[0]) != epoch:
+                conn.execute("ROLLBACK")
+                return None
+            n = int(conn.execute(sql, params).rowcount)
+            conn.execute("COMMIT")
+        except BaseException:
+            if conn.in_transaction:
+                conn.execute("ROLLBACK")
+            raise
+        return n
+
+    # -- the run lease (one run at a time, also across nodes sharing Postgres) -------------------
+    def take_lease(self, name: str, holder: str, ttl: float) -> bool:
+        from persistence.retention_requests import take_lease_sql
+
+        return take_lease_sql(self._execute, name, holder, ttl)
+
+    def lease_holder(self, name: str) -> tuple[str, float] | None:
+        rows = self._rows("SELECT holder, expires_at FROM leases WHERE name = ?", (name,))
+        if not rows or not rows[0][0]:
+            return None
+        return str(rows[0][0]), float(rows[0][1])
+
+    def release_lease(self, name: str, holder: str) -> None:
+        self._execute("UPDATE leases SET holder = '', expires_at = 0 WHERE name = ? AND holder = ?", (name, holder))

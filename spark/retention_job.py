@@ -34,7 +34,9 @@ import argparse
 import json
 import os
 import shutil
+import socket
 import sys
+import threading
 import time
 import uuid
 from collections.abc import Callable
@@ -107,6 +109,7 @@ class RunOptions:
     partitions: int = 0  # 0: from the row count and the cores
     batch_size: int = 10_000
     run_id: str = ""
+    apply_timeout: float = 30.0  # seconds a live owner has to drop the marked messages
     now: float = 0.0
     progress: Progress = _stderr
     timings: dict[str, float] = field(default_factory=dict)
@@ -341,17 +344,24 @@ def run(options: RunOptions, spark: SparkSession | None = None) -> dict[str, Any
 
     # 4. delete
     t = time.monotonic()
+    live: list[str] = []
     if not options.dry_run and to_remove:
-        deleted, fenced = _delete(backend, classified, epochs, options.batch_size, say, options.mark_only)
-        for key, s in summaries.items():
-            s["marked_messages" if options.mark_only else "deleted_messages"] = deleted.get(key, 0)
-            s["fenced"] = key in fenced
+        live = [] if options.mark_only else backend.live_watchers()
+        if live:
+            say(f"live node(s) {', '.join(sorted(live))}: marking, then asking each queue's owner to drop them")
+            _remove_live(backend, classified, summaries, epochs, options, run_id, say)
+        else:
+            deleted, fenced = _delete(backend, classified, epochs, options.batch_size, say, options.mark_only)
+            for key, s in summaries.items():
+                s["marked_messages" if options.mark_only else "deleted_messages"] = deleted.get(key, 0)
+                s["fenced"] = key in fenced
         _journal(journal, run_id, phase="deleted")
     timings["delete_s"] = time.monotonic() - t
     classified.unpersist()
 
     # 5. report
     report = _report(run_id, now, options, limits, summaries, epochs)
+    report["live_nodes"] = sorted(live)
     timings["total_s"] = time.monotonic() - t0
     report["timings"] = {k: round(v, 3) for k, v in timings.items()}
     report["messages_scanned"] = total
@@ -441,6 +451,46 @@ def _delete(backend: Backend, classified: DataFrame, epochs: dict[tuple[str, str
     return deleted, fenced
 
 
+def _remove_live(backend: Backend, classified: DataFrame, summaries: dict[tuple[str, str], dict[str, Any]],
+                 epochs: dict[tuple[str, str], int], options: RunOptions, run_id: str, say: Progress) -> None:
+    """A node is running: mark, ask each owner to drop the marked messages, wait, then delete.
+
+    A queue's messages are reported removed (``deleted_messages``) only after
+    its owner said it dropped them from memory and committed that; a queue
+    whose owner does not answer within ``apply_timeout`` is reported
+    ``pending`` and its rows stay marked (a restart or failover skips them,
+    the next run finishes the job).
+    """
+    marked, fenced = _delete(backend, classified, epochs, options.batch_size, say, mark=True)
+    asked = [k for k, s in summaries.items() if s["removed_messages"] and k not in fenced and k in epochs]
+    for key in asked:
+        backend.request(key[0], key[1], run_id, epochs[key])
+    deadline = time.monotonic() + options.apply_timeout
+    states: dict[tuple[str, str], str] = {}
+    while asked:
+        states = backend.request_states(run_id)
+        if all(states.get(k) == "applied" for k in asked) or time.monotonic() > deadline:
+            break
+        time.sleep(0.2)
+    for key, s in summaries.items():
+        s["fenced"] = key in fenced
+        s["marked_messages"] = marked.get(key, 0)
+        if key not in asked:
+            continue
+        if states.get(key) != "applied":
+            s["pending"] = True
+            say(f"{key[0]}/{key[1]}: its owner did not apply the removal within {options.apply_timeout:g}s:"
+                " pending (rows stay marked; the next run finishes)")  # fmt: skip
+            continue
+        n = backend.delete_marked(key[0], key[1], epochs[key])
+        if n is None:
+            s["fenced"] = True
+            continue
+        # The owner deleted the ready ones itself; what is left were unacked at that moment.
+        s["deleted_messages"] = s["removed_messages"]
+    backend.forget_applied_requests()
+
+
 def _report(
     run_id: str,
     now: float,
@@ -457,6 +507,7 @@ def _report(
             "oldest_age_seconds_before": None, "oldest_age_seconds": None, "archive": False,
             "archived_messages": 0, "deleted_messages": 0, "marked_messages": 0, "fenced": False,
         }  # fmt: skip
+        s.setdefault("pending", False)
         q = limits.get(key)
         s["limits"] = None if q is None else {
             "max_age_seconds": q.max_age_seconds, "max_length": q.max_length, "max_bytes": q.max_bytes,
@@ -522,6 +573,48 @@ def add_run_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--partitions", type=int, default=0, help="JDBC read partitions (default: from size)")
     parser.add_argument("--batch-size", type=int, default=10_000, help="most rows one DELETE transaction removes")
     parser.add_argument("--run-id", default="", help="reuse a run id (to finish a run that crashed)")
+    parser.add_argument("--apply-timeout", type=float, default=30.0,
+                        help="seconds a running node has to drop removed messages before the queue is reported"
+                        " pending (default 30)")  # fmt: skip
+
+
+LEASE = "retention"  # leases.name: one retention run at a time per store (so cluster-wide on Postgres)
+LEASE_TTL = 60.0
+
+
+class RunLease:
+    """The store-level lease a run holds; a thread renews it (with its own connection) while Spark works."""
+
+    def __init__(self, backend: Backend, ttl: float = LEASE_TTL) -> None:
+        self.backend = backend
+        self.ttl = ttl
+        self.holder = f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:6]}"
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    def take(self) -> bool:
+        if not self.backend.take_lease(LEASE, self.holder, self.ttl):
+            return False
+        self._thread = threading.Thread(target=self._renew, name="retention-lease", daemon=True)
+        self._thread.start()
+        return True
+
+    def _renew(self) -> None:
+        own = self.backend.clone()
+        try:
+            while not self._stop.wait(self.ttl / 3):
+                if not own.take_lease(LEASE, self.holder, self.ttl):
+                    _stderr(f"lease {LEASE!r} lost to another holder")
+        except Exception as exc:  # noqa: BLE001 - the lease then expires; the run itself goes on
+            _stderr(f"lease {LEASE!r} not renewed: {exc}")
+        finally:
+            own.close()
+
+    def release(self) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join()
+        self.backend.release_lease(LEASE, self.holder)
 
 
 def backend_from_args(args: argparse.Namespace) -> Backend:
@@ -541,16 +634,25 @@ def run_from_args(args: argparse.Namespace, spark: SparkSession | None = None) -
     except (ConfigError, BackendError) as exc:
         print(f"leveret retention: {exc}", file=sys.stderr)
         return 2
+    lease = None if args.dry_run else RunLease(backend)
+    if lease is not None and not lease.take():
+        held = backend.lease_holder(LEASE)
+        who = f"{held[0]} (until {time.strftime('%H:%M:%S', time.localtime(held[1]))})" if held else "another run"
+        print(f"leveret retention: another retention run holds the lease: {who}; not running", file=sys.stderr)
+        backend.close()
+        return 3
     try:
         report = run(
             RunOptions(
                 backend=backend, master=args.master, archive_dir=args.archive_dir, report=args.report,
                 chart=args.chart, dry_run=args.dry_run, mark_only=args.mark_only, partitions=args.partitions,
-                batch_size=args.batch_size, run_id=args.run_id,
+                batch_size=args.batch_size, run_id=args.run_id, apply_timeout=args.apply_timeout,
             ),
             spark,
         )  # fmt: skip
     finally:
+        if lease is not None:
+            lease.release()
         backend.close()
     print(format_table(report))
     return 0

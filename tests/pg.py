@@ -108,9 +108,14 @@ def _start(pg_dir: Path, data: Path, log_path: Path, popen_user: dict[str, Any])
                     "-c", "listen_addresses=127.0.0.1",
                     # Tests need no crash safety of Postgres itself; benchmarks set LEVERET_PG_FSYNC=on.
                     "-c", f"fsync={os.environ.get('LEVERET_PG_FSYNC', 'off')}",
-                    "-c", "synchronous_commit=off",
+                    # With fsync on (benchmarks) a commit also waits for its WAL flush, as a
+                    # confirm promises; LEVERET_PG_SYNCHRONOUS_COMMIT overrides it either way.
+                    "-c", "synchronous_commit=" + os.environ.get(
+                        "LEVERET_PG_SYNCHRONOUS_COMMIT", os.environ.get("LEVERET_PG_FSYNC", "off")),
                     "-c", "full_page_writes=off",
                     "-c", "max_connections=200",
+                    # As docs/ARCHITECTURE.md advises operators: vacuum keeps up with deletes.
+                    "-c", "autovacuum_naptime=1",
                 ],
                 cwd=pg_dir,
                 env=_env(pg_dir),

@@ -345,3 +345,29 @@ def test_dispatch_is_not_reentrant(q: Queue) -> None:
     consumer(q, sink, "c", no_ack=True)
     fill(q, 1)
     assert sink.bodies() == [b"m0", b"echo1", b"echo2"]
+
+
+def test_drop_offsets_removes_ready_and_never_redelivers_unacked(q: Queue) -> None:
+    fill(q, 6)
+    sink = FakeSink({"c": 2})
+    c = consumer(q, sink, "c")
+    assert sink.bodies() == [b"m0", b"m1"]  # offsets 0 and 1 are out, unacked
+    assert q.drop_offsets([1, 2, 4]) == 2  # 2 and 4 were ready
+    assert ready_bodies(q.default) == [b"m3", b"m5"]
+    assert q.default.ready_bytes == 4
+    # Offset 1 comes back (nack/requeue, channel closed): dropped, not requeued.
+    q.default.requeue([(qm, c) for _, qm in sink.delivered])
+    assert ready_bodies(q.default) == [b"m0", b"m3", b"m5"]
+    assert q.retained == set()
+    sink.credit["c"] = None
+    q.default.dispatch()
+    assert sink.bodies()[2:] == [b"m0", b"m3", b"m5"]
+
+
+def test_drop_offsets_on_a_priority_queue() -> None:
+    q = Queue("p", "/", arguments={"x-max-priority": 5})
+    fill(q, 4)
+    assert q.drop_offsets({0, 3, 99}) == 2
+    assert ready_bodies(q.default) == [b"m1", b"m2"]
+    assert len(q.default.ready) == 2
+    assert q.retained == {99}

@@ -70,11 +70,11 @@ def _message(queue: str, offset: int) -> StoredMessage:
                          NOW - (11 - offset) * 600 - 60, expires_at)  # fmt: skip
 
 
-async def _populate(store: Any) -> None:
+async def _populate(store: Any, queues: dict[str, dict[str, Any]] = QUEUES) -> None:
     await store.open()
     try:
         batch = Batch()
-        for name, arguments in QUEUES.items():
+        for name, arguments in queues.items():
             await store.save_queue(QueueRecord("/", name, False, arguments))
             batch.epochs[("/", name)] = await store.claim("/", name)
             batch.appends.extend(_message(name, o) for o in range(1, 11))
@@ -83,17 +83,17 @@ async def _populate(store: Any) -> None:
         await store.close()
 
 
-def sqlite_backend(data_dir: Path) -> Backend:
+def sqlite_backend(data_dir: Path, queues: dict[str, dict[str, Any]] = QUEUES) -> Backend:
     from persistence.sqlite import SQLiteStore
 
-    asyncio.run(_populate(SQLiteStore(str(data_dir / "leveret.sqlite3"))))
+    asyncio.run(_populate(SQLiteStore(str(data_dir / "leveret.sqlite3")), queues))
     backend = Backend("sqlite", data_dir=str(data_dir))
     backend.connect()
     return backend
 
 
-def offsets_by_queue(backend: Backend) -> dict[str, list[int]]:
-    out: dict[str, list[int]] = {name: [] for name in QUEUES}
+def offsets_by_queue(backend: Backend, queues: dict[str, Any] = QUEUES) -> dict[str, list[int]]:
+    out: dict[str, list[int]] = {name: [] for name in queues}
     for queue, offset in backend._rows('SELECT queue, "offset" FROM messages ORDER BY queue, "offset"'):
         out[queue].append(int(offset))
     return out
@@ -419,3 +419,149 @@ def test_stream_retention_in_the_backup(tmp_path: Path, spark: Any) -> None:
     assert kept == [8, 9, 10]
     assert report["totals"]["deleted_messages"] == 7
     assert list(backend._rows("SELECT grp, \"offset\" FROM stream_offsets")) == [("billing", 4)]
+# -- a live node (docs/RETENTION.md, "Live brokers") ------------------------------------------
+
+
+class _Node:
+    """``python -m leveret serve`` on a data dir, stderr (JSON logs) to a file."""
+
+    def __init__(self, data_dir: Path, *extra: str) -> None:
+        self.port = _free_port()
+        self.log = data_dir.parent / f"node-{self.port}.log"
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "leveret", "serve", "--amqp-port", str(self.port), "--grpc-port",
+             str(_free_port()), "--data-dir", str(data_dir), "--log-format", "json", *extra],
+            cwd=ROOT, stdout=subprocess.DEVNULL, stderr=open(self.log, "wb"),
+        )  # fmt: skip
+        deadline = time.monotonic() + 30
+        while True:
+            try:
+                socket.create_connection(("127.0.0.1", self.port), timeout=0.2).close()
+                break
+            except OSError:
+                assert self.proc.poll() is None and time.monotonic() < deadline, self.log.read_text()[-2000:]
+                time.sleep(0.05)
+        self.url = f"amqp://guest:guest@127.0.0.1:{self.port}/"
+
+    def stop(self) -> None:
+        self.proc.terminate()
+        self.proc.wait(timeout=30)
+
+    def events(self) -> list[dict[str, Any]]:
+        out = []
+        for line in self.log.read_text().splitlines():
+            try:
+                out.append(json.loads(line))
+            except ValueError:
+                pass
+        return out
+
+
+# x-max-age is the job's own limit: a node refuses to declare a queue with it.
+LIVE_QUEUES = {k: v for k, v in QUEUES.items() if k != "age-q"}
+LIVE_KEPT = {k: v for k, v in EXPECTED_KEPT.items() if k != "age-q"}
+
+
+@pytest.fixture(params=["sqlite", "postgres"])
+def live_store(request: pytest.FixtureRequest, tmp_path: Path) -> tuple[Backend, list[str]]:
+    """A populated store (LIVE_QUEUES): the job's backend and the node's store flags."""
+    if request.param == "sqlite":
+        sqlite_backend(tmp_path / "data", LIVE_QUEUES).close()
+        return Backend("sqlite", data_dir=str(tmp_path / "data")), []
+    from persistence.postgres import PostgresStore
+
+    dsn = request.getfixturevalue("postgres_db")
+    asyncio.run(_populate(PostgresStore(dsn), LIVE_QUEUES))
+    return Backend("postgres", dsn=dsn), ["--store", "postgres", "--postgres-dsn", dsn]
+
+
+@needs_java
+@pytest.mark.timeout(120)
+def test_live_node_never_delivers_what_the_job_removed(
+    tmp_path: Path, spark: Any, live_store: tuple[Backend, list[str]]
+) -> None:
+    import pika
+
+    data = tmp_path / "data"
+    backend, flags = live_store
+    node = _Node(data, *flags)
+    try:
+        conn = pika.BlockingConnection(pika.URLParameters(node.url))
+        ch = conn.channel()
+        ch.basic_qos(prefetch_count=2)
+        held = []  # len-q offsets 1 and 2: delivered, unacked while the job runs
+        for method, props, _ in ch.consume("len-q", inactivity_timeout=5):
+            assert method is not None
+            held.append((method.delivery_tag, props.message_id))
+            if len(held) == 2:
+                break
+        assert [m for _, m in held] == ["len-q-1", "len-q-2"]
+
+        backend.connect()
+        backend.set_policy(LOGS_POLICY)
+        report = run_job(backend, spark, apply_timeout=20)
+        assert report["live_nodes"], "the job did not see the running node"
+        by_queue = {q["queue"]: q for q in report["queues"]}
+        for name, kept in LIVE_KEPT.items():
+            assert not by_queue[name]["pending"], name
+            assert by_queue[name]["deleted_messages"] == 10 - len(kept), name
+        # The node dropped the ready ones and the job the rest: the store holds what is kept.
+        assert offsets_by_queue(backend, LIVE_QUEUES) == LIVE_KEPT
+        backend.close()
+
+        # The unacked ones come back (nack, requeue): removed, so never redelivered.
+        ch.basic_nack(held[-1][0], multiple=True, requeue=True)
+        ch.cancel()
+        ch.basic_qos(prefetch_count=0)
+        for name, kept in LIVE_KEPT.items():
+            got = []
+            while True:
+                method, props, _ = ch.basic_get(name, auto_ack=True)
+                if method is None:
+                    break
+                got.append(props.message_id)
+            assert got == [f"{name}-{o}" for o in kept], name
+        conn.close()
+        applied = [e for e in node.events() if e.get("msg") == "retention applied"]
+        assert len(applied) == len(LIVE_KEPT) - 1  # keep-q lost nothing, so no request for it
+    finally:
+        node.stop()
+
+
+@needs_java
+@pytest.mark.timeout(150)
+def test_scheduled_runs_one_at_a_time_under_the_lease(tmp_path: Path) -> None:
+    """--retention-interval runs the job in a subprocess; a lease held elsewhere makes it skip."""
+    from spark.retention_job import LEASE
+
+    data = tmp_path / "data"
+    backend = sqlite_backend(data, LIVE_QUEUES)
+    assert backend.take_lease(LEASE, "someone-else", 300)
+    node = _Node(data, "--retention-interval", "0.5")
+    try:
+        deadline = time.monotonic() + 30
+        while not any(e.get("msg") == "retention run skipped: another run holds the lease" for e in node.events()):
+            assert time.monotonic() < deadline, node.log.read_text()[-3000:]
+            time.sleep(0.2)
+        report = data / "retention" / "last-report.json"
+        assert not report.exists()
+        backend.release_lease(LEASE, "someone-else")
+        deadline = time.monotonic() + 100
+        while not any(e.get("msg") == "retention run finished" for e in node.events()):
+            assert time.monotonic() < deadline, (data / "retention" / "run.log").read_text()[-3000:]
+            time.sleep(0.5)
+        done = json.loads(report.read_text())
+        assert done["live_nodes"]  # the node kept serving and applied the requests itself
+        assert offsets_by_queue(backend, LIVE_QUEUES)["len-q"] == [8, 9, 10]
+        # Never two runs at once: each start is followed by its end before the next start.
+        running = False
+        for e in node.events():
+            if e.get("msg") == "retention run starting":
+                assert not running
+                running = True
+            elif e.get("msg") in ("retention run finished", "retention run failed",
+                                      "retention run skipped: another run holds the lease"):
+                running = False
+    finally:
+        node.stop()
+        backend.close()

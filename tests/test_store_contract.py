@@ -699,3 +699,24 @@ async def test_load_range_pages_in_offset_order(store: MessageStore) -> None:
     page = await store.load_range(VHOST, "s", 2, None, 2)
     assert page == [message("s", 2), message("s", 3)]  # every field, as stored
     assert await store.load_range(VHOST, "s", 10, None, 5) == []
+async def test_large_bodies_split_over_connections_commit_whole(store: MessageStore) -> None:
+    """Postgres commits a batch of large bodies as parallel parts; the outcome is that of one batch."""
+    epochs = await claimed(store, "big")
+    await store.commit(Batch(epochs=epochs, appends=[message("big", 0)]))
+    mib = b"\xab" * (1 << 20)
+    batch = Batch(
+        epochs=epochs,
+        appends=[message("big", off, body=mib) for off in range(1, 7)],
+        removals=[(VHOST, "big", 0)],
+        delivery_counts=[(VHOST, "big", 3, 2)],  # a requeue of a message appended in this same batch
+    )
+    await store.commit(batch)
+    loaded = await store.load_messages(VHOST, "big")
+    assert [m.offset for m in loaded] == [1, 2, 3, 4, 5, 6]
+    assert all(m.body == mib for m in loaded)
+    assert [m.delivery_count for m in loaded] == [0, 0, 2, 0, 0, 0]
+
+    await store.claim(VHOST, "big")  # a new owner: every part must refuse
+    with pytest.raises(Fenced):
+        await store.commit(Batch(epochs=epochs, appends=[message("big", off, body=mib) for off in range(7, 13)]))
+    assert await offsets(store, "big") == [1, 2, 3, 4, 5, 6]

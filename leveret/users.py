@@ -1,0 +1,123 @@
+"""``leveret users ...`` and ``leveret vhosts ...``: durable users and vhosts, written through the store.
+
+A node reads them at start (core.durability), so a running node picks up a
+change when it restarts. Every command takes the store options of ``serve``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import sys
+from typing import Any
+
+from leveret.config import ConfigError, load
+
+
+def _store_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--config", metavar="FILE", help="TOML config file, as for serve (env LEVERET_CONFIG)")
+    parser.add_argument("--data-dir", default=None, help="directory of the embedded store (sqlite)")
+    parser.add_argument("--store", default=None, choices=["sqlite", "postgres"], help="message store")
+    parser.add_argument("--postgres-dsn", default=None, help="Postgres connection string for --store postgres")
+
+
+def add_parsers(sub: Any) -> None:
+    users = sub.add_parser("users", help="durable users (add, delete, list)",
+                           description="Users a node loads at start (restart a running node to apply).")  # fmt: skip
+    actions = users.add_subparsers(dest="users_command", metavar="ACTION")
+    add = actions.add_parser("add", help="create or replace a user")
+    add.add_argument("name")
+    add.add_argument("--password", required=True)
+    add.add_argument("--tag", action="append", default=[], dest="tags", help="e.g. administrator (repeatable)")
+    add.add_argument("--vhost", action="append", default=[], dest="vhosts",
+                     help="a vhost the user may open (repeatable; none by default)")  # fmt: skip
+    add.add_argument("--loopback-only", action="store_true", help="accept logins from 127.0.0.1/::1 only")
+    delete = actions.add_parser("delete", help="delete a user")
+    delete.add_argument("name")
+    list_ = actions.add_parser("list", help="list users")
+    list_.add_argument("--json", action="store_true")
+    for p in (add, delete, list_):
+        _store_arguments(p)
+
+    vhosts = sub.add_parser("vhosts", help="durable virtual hosts (add, delete, list)",
+                            description="Vhosts a node loads at start (restart a running node to apply).")  # fmt: skip
+    vactions = vhosts.add_subparsers(dest="vhosts_command", metavar="ACTION")
+    vadd = vactions.add_parser("add", help="create a vhost")
+    vadd.add_argument("name")
+    vdelete = vactions.add_parser("delete", help="delete a vhost and everything stored in it")
+    vdelete.add_argument("name")
+    vlist = vactions.add_parser("list", help="list vhosts")
+    vlist.add_argument("--json", action="store_true")
+    for p in (vadd, vdelete, vlist):
+        _store_arguments(p)
+
+
+async def _users(args: argparse.Namespace, store: Any) -> int:
+    from core.broker import User
+    from core.store import UserRecord
+
+    if args.users_command == "add":
+        u = User.create(args.name, args.password)
+        await store.save_user(UserRecord(args.name, u.salt, u.password_hash, sorted(set(args.tags)),
+                                         sorted(set(args.vhosts)), args.loopback_only))  # fmt: skip
+        print(f"user {args.name} saved")
+    elif args.users_command == "delete":
+        if not await store.delete_user(args.name):
+            print(f"leveret users: no user named {args.name!r}", file=sys.stderr)
+            return 1
+        print(f"user {args.name} deleted")
+    else:
+        users = await store.load_users()
+        if args.json:
+            print(json.dumps([{"name": u.name, "tags": u.tags, "vhosts": u.vhosts, "loopback_only": u.loopback_only}
+                              for u in users], indent=2))  # fmt: skip
+        else:
+            for u in users:
+                print(f"{u.name}\ttags={','.join(u.tags) or '-'}\tvhosts={','.join(u.vhosts) or '-'}")
+    return 0
+
+
+async def _vhosts(args: argparse.Namespace, store: Any) -> int:
+    if args.vhosts_command == "add":
+        await store.save_vhost(args.name)
+        print(f"vhost {args.name} saved")
+    elif args.vhosts_command == "delete":
+        if not await store.delete_vhost(args.name):
+            print(f"leveret vhosts: no vhost named {args.name!r}", file=sys.stderr)
+            return 1
+        print(f"vhost {args.name} deleted")
+    else:
+        names = await store.load_vhosts()
+        print(json.dumps(names) if args.json else "\n".join(names))
+    return 0
+
+
+def main(args: argparse.Namespace) -> int:
+    group = args.command
+    action = getattr(args, f"{group}_command", None)
+    if action is None:
+        print(f"leveret {group}: say add, delete or list", file=sys.stderr)
+        return 2
+    try:
+        config = load(args.config, {"data_dir": args.data_dir, "store": args.store,
+                                    "postgres_dsn": args.postgres_dsn})  # fmt: skip
+    except ConfigError as exc:
+        print(f"leveret {group}: {exc}", file=sys.stderr)
+        return 2
+    from core.store import StoreError
+    from leveret.node import make_store
+
+    async def go() -> int:
+        store = make_store(config)
+        await store.open()
+        try:
+            return await (_users(args, store) if group == "users" else _vhosts(args, store))
+        finally:
+            await store.close()
+
+    try:
+        return asyncio.run(go())
+    except StoreError as exc:
+        print(f"leveret {group}: {exc}", file=sys.stderr)
+        return 1
