@@ -11,6 +11,7 @@ from __future__ import annotations
 import logging
 from typing import TYPE_CHECKING
 
+from core.errors import BrokerError
 from core.exchange import Binding, Exchange
 from core.group_commit import GroupCommitter
 from core.message import Message, QueuedMessage
@@ -87,13 +88,23 @@ class Durability:
         for xr in topo.exchanges:
             vh = broker.add_vhost(xr.vhost)
             if xr.name not in vh.exchanges:
-                vh.declare_exchange(xr.name, xr.type, durable=True, auto_delete=xr.auto_delete,
-                                    internal=xr.internal, arguments=xr.arguments, restoring=True)
+                try:
+                    vh.declare_exchange(xr.name, xr.type, durable=True, auto_delete=xr.auto_delete,
+                                        internal=xr.internal, arguments=xr.arguments, restoring=True)
+                except BrokerError as exc:
+                    # Declared by a version that allowed it: keep it stored, serve the rest.
+                    log.error("stored exchange not restored; it stays in the store",
+                              extra={"vhost": xr.vhost, "exchange": xr.name, "error": str(exc)})
         messages = 0
         for qr in topo.queues:
             vh = broker.add_vhost(qr.vhost)
-            q = vh.declare_queue(qr.name, None, durable=True, auto_delete=qr.auto_delete,
-                                 arguments=qr.arguments, restoring=True)
+            try:
+                q = vh.declare_queue(qr.name, None, durable=True, auto_delete=qr.auto_delete,
+                                     arguments=qr.arguments, restoring=True)
+            except BrokerError as exc:
+                log.error("stored queue not restored (its arguments are refused now); its messages stay in the "
+                          "store", extra={"vhost": qr.vhost, "queue": qr.name, "error": str(exc)})
+                continue
             assert q.storage is not None
             # Fence first, then load: a write from a previous owner can no longer land.
             q.storage.epoch = await self.store.claim(qr.vhost, qr.name)
