@@ -74,6 +74,7 @@ class Channel:
         self._consumer_tag_raw: dict[str, bytes] = {}
         # Transactions (tx.select): None, or what waits for tx.commit.
         self.tx: Transaction | None = None
+        self._tx_join: _Join | None = None  # while tx.commit replays its publishes
         # Direct reply-to: this channel's reply address token and consumer.
         self.reply_token: str | None = None
         self.reply_consumer_tag: str | None = None
@@ -258,7 +259,9 @@ class Channel:
             if q is not None:
                 accepted = q.enqueue(message)
                 stored = q.storage is not None
-                if q.remote is not None and self.confirm:
+                if q.remote is not None and self._tx_join is not None:
+                    q.remote.when_forwarded(self._tx_join.one())
+                elif q.remote is not None and self.confirm:
                     forwarded = _Join()
                     q.remote.when_forwarded(forwarded.one())
             elif routing_key.startswith(direct_reply.PREFIX):
@@ -273,6 +276,8 @@ class Channel:
                     accepted = False
                 elif q.storage is not None:
                     stored = True
+                elif q.remote is not None and self._tx_join is not None:
+                    q.remote.when_forwarded(self._tx_join.one())
                 elif q.remote is not None and self.confirm:
                     if forwarded is None:
                         forwarded = _Join()
@@ -845,8 +850,13 @@ class Channel:
         if self.tx is None:
             raise PreconditionFailed("channel is not transactional")
         tx, self.tx = self.tx, Transaction()
-        for exchange, message, mandatory in tx.publishes:
-            self._deliver_published(exchange, message, mandatory)
+        # Cluster: commit-ok also waits for the owners of remote queues to answer.
+        joined = self._tx_join = _Join()
+        try:
+            for exchange, message, mandatory in tx.publishes:
+                self._deliver_published(exchange, message, mandatory)
+        finally:
+            self._tx_join = None
         for tagged, outcome in tx.settlements:
             entries = [entry for _, entry in tagged]
             if outcome == "ack":
@@ -854,19 +864,21 @@ class Channel:
             else:
                 self._return_entries(entries, requeue=outcome == "requeue")
         committer = self.conn.broker.committer
-        if committer is None:
-            self._reply(commands.Tx.CommitOk())
-            return
+        if committer is not None:
+            local = joined.one()
+            committer.when_committed(lambda error: local(error is None))
 
-        def committed(error: BaseException | None) -> None:
+        def done(ok: bool) -> None:
             if self.closing:
                 return
-            if error is None:
+            if ok:
                 self._reply(commands.Tx.CommitOk())
             else:
-                self.conn.fail_channel(self, PreconditionFailed(f"tx.commit failed in the store: {error}"), 90, 20)
+                self.conn.fail_channel(
+                    self, PreconditionFailed("tx.commit failed: the store or a queue's owner did not take it"), 90, 20
+                )
 
-        committer.when_committed(committed)
+        joined.finish(done)
 
     def _tx_rollback(self, m: commands.Tx.Rollback) -> None:
         if self.tx is None:

@@ -78,6 +78,31 @@ def test_publish_then_get_through_a_non_owner_sees_the_message(cluster: Cluster)
         conn.close()
 
 
+def test_tx_commit_through_a_non_owner_waits_for_the_owner(cluster: Cluster) -> None:
+    conn, ch = _channel(cluster, "n1")
+    try:
+        ch.queue_declare("sem.tx", durable=True)
+        owner = cluster.wait_owner("sem.tx", timeout=10)
+        other = next(n for n in ("n1", "n2", "n3") if n != owner)
+        oconn, och = _channel(cluster, other)
+        wconn, wch = _channel(cluster, str(owner))
+        try:
+            och.tx_select()
+            for i in range(5):
+                och.basic_publish("", "sem.tx", f"t{i}".encode(), pika.BasicProperties(delivery_mode=2))
+            assert wch.queue_declare("sem.tx", passive=True).method.message_count == 0  # not before commit
+            och.tx_commit()
+            # commit-ok came after the owner took them: they are there on the owner right away.
+            assert wch.queue_declare("sem.tx", passive=True).method.message_count == 5
+            stored = cluster.sql("SELECT count(*) FROM messages WHERE queue = 'sem.tx'")
+            assert stored == [(5,)]
+        finally:
+            oconn.close()
+            wconn.close()
+    finally:
+        conn.close()
+
+
 def test_auto_delete_queue_stays_while_the_owner_has_consumers(cluster: Cluster) -> None:
     conn1, ch1 = _channel(cluster, "n1")
     conn2, ch2 = _channel(cluster, "n2")
