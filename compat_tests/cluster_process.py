@@ -25,7 +25,6 @@ import json
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import tempfile
 import time
@@ -40,7 +39,7 @@ import psycopg
 from psycopg import sql
 from psycopg.conninfo import make_conninfo
 
-from compat_tests.node_process import REPO_ROOT, NodeProcess, _python, free_ports, node_env
+from compat_tests.node_process import REPO_ROOT, NodeProcess, _python, node_env
 from tests.etcd import EtcdServer, KeyValue, skip_or_fail_without_etcd
 from tests.pg import throwaway_postgres
 
@@ -62,6 +61,7 @@ class ClusterNode(NodeProcess):
         data_dir.mkdir(parents=True, exist_ok=True)
         super().__init__(data_dir, cluster.workdir / node_id)
         self.node_id = node_id
+        self.name = node_id
         self.region = region
         self.cluster = cluster
         self.extra_args = list(extra_args)
@@ -90,40 +90,8 @@ class ClusterNode(NodeProcess):
 
     def spawn(self) -> None:
         """Start the process without waiting for it (see wait_ready)."""
-        assert self.proc is None or self.proc.poll() is not None, f"{self.node_id} already running"
-        self.starts += 1
         self.paused = False
-        self.amqp_port, self.grpc_port = free_ports(2)
-        self.log_dir.mkdir(parents=True, exist_ok=True)
-        self.stderr_path = self.log_dir / f"node-{self.starts}.stderr"
-        with open(self.log_dir / f"node-{self.starts}.stdout", "wb") as out, open(self.stderr_path, "wb") as err:
-            self.proc = subprocess.Popen(
-                self.command(), cwd=REPO_ROOT, stdout=out, stderr=err, stdin=subprocess.DEVNULL, env=node_env()
-            )
-
-    def wait_ready(self, timeout: float = STARTUP_TIMEOUT) -> None:
-        """Until the AMQP port accepts connections; AssertionError with the log when the node exits or stalls."""
-        assert self.proc is not None
-        deadline = time.monotonic() + timeout
-        while True:
-            if self.proc.poll() is not None:
-                raise AssertionError(
-                    f"{self.node_id} exited with {self.proc.returncode} during start-up:\n{self.stderr_tail()}"
-                )
-            try:
-                socket.create_connection(("127.0.0.1", self.amqp_port), timeout=0.5).close()
-                return
-            except OSError:
-                pass
-            if time.monotonic() > deadline:
-                raise AssertionError(
-                    f"{self.node_id} did not listen on {self.amqp_port} within {timeout:.0f}s:\n{self.stderr_tail()}"
-                )
-            time.sleep(0.05)
-
-    def start(self) -> None:
-        self.spawn()
-        self.wait_ready()
+        super().spawn()
 
     def pause(self) -> None:
         """SIGSTOP: the process keeps its sockets but does nothing (its etcd lease runs out)."""

@@ -23,24 +23,12 @@ import pytest
 
 from compat_tests.raw_amqp import RawAMQP
 from compat_tests.util import Names, unique_name
+from tests.ports import free_ports as _free_ports
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 STARTUP_TIMEOUT = 15.0
 URL_ENV = "LEVERET_TEST_AMQP_URL"
 
-
-def _free_ports(count: int) -> list[int]:
-    """Pick ``count`` distinct free TCP ports on 127.0.0.1."""
-    sockets: list[socket.socket] = []
-    try:
-        for _ in range(count):
-            s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-            s.bind(("127.0.0.1", 0))
-            sockets.append(s)
-        return [s.getsockname()[1] for s in sockets]
-    finally:
-        for s in sockets:
-            s.close()
 
 
 def _port_open(host: str, port: int) -> bool:

@@ -26,24 +26,12 @@ from pamqp import commands, frame
 from pamqp.heartbeat import Heartbeat
 
 from tests import pg
+from tests.ports import free_ports
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 STARTUP_TIMEOUT = 30.0
 STOP_TIMEOUT = 30.0
 
-
-def free_ports(count: int) -> list[int]:
-    """``count`` distinct free TCP ports on 127.0.0.1."""
-    sockets: list[socket.socket] = []
-    try:
-        for _ in range(count):
-            s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-            s.bind(("127.0.0.1", 0))
-            sockets.append(s)
-        return [int(s.getsockname()[1]) for s in sockets]
-    finally:
-        for s in sockets:
-            s.close()
 
 
 def _python() -> str:
@@ -90,20 +78,31 @@ class NodeProcess:
         assert self.proc is not None
         return self.proc.pid
 
-    def start(self) -> None:
-        assert self.proc is None or self.proc.poll() is not None, "node already running"
+    name = "leveret node"
+
+    def command(self) -> list[str]:
+        return serve_command(self.amqp_port, self.grpc_port, self.data_dir, self.store_args)
+
+    def spawn(self) -> None:
+        """Start the process on fresh ports without waiting for it (see wait_ready)."""
+        assert self.proc is None or self.proc.poll() is not None, f"{self.name} already running"
         self.starts += 1
         self.amqp_port, self.grpc_port = free_ports(2)
         self.log_dir.mkdir(parents=True, exist_ok=True)
         self.stderr_path = self.log_dir / f"node-{self.starts}.stderr"
-        cmd = serve_command(self.amqp_port, self.grpc_port, self.data_dir, self.store_args)
         with open(self.log_dir / f"node-{self.starts}.stdout", "wb") as out, open(self.stderr_path, "wb") as err:
-            self.proc = subprocess.Popen(cmd, cwd=REPO_ROOT, stdout=out, stderr=err, env=node_env())
-        deadline = time.monotonic() + STARTUP_TIMEOUT
+            self.proc = subprocess.Popen(
+                self.command(), cwd=REPO_ROOT, stdout=out, stderr=err, stdin=subprocess.DEVNULL, env=node_env()
+            )
+
+    def wait_ready(self, timeout: float = STARTUP_TIMEOUT) -> None:
+        """Until the AMQP port accepts connections; AssertionError with the log when the node exits or stalls."""
+        assert self.proc is not None
+        deadline = time.monotonic() + timeout
         while True:
             if self.proc.poll() is not None:
                 raise AssertionError(
-                    f"leveret node exited with {self.proc.returncode} during start-up:\n{self.stderr_tail()}"
+                    f"{self.name} exited with {self.proc.returncode} during start-up:\n{self.stderr_tail()}"
                 )
             try:
                 socket.create_connection(("127.0.0.1", self.amqp_port), timeout=0.5).close()
@@ -112,10 +111,13 @@ class NodeProcess:
                 pass
             if time.monotonic() > deadline:
                 raise AssertionError(
-                    f"leveret node did not listen on {self.amqp_port} within {STARTUP_TIMEOUT:.0f}s:\n"
-                    f"{self.stderr_tail()}"
+                    f"{self.name} did not listen on {self.amqp_port} within {timeout:.0f}s:\n{self.stderr_tail()}"
                 )
             time.sleep(0.05)
+
+    def start(self) -> None:
+        self.spawn()
+        self.wait_ready()
 
     def send_kill(self) -> None:
         """SIGKILL without waiting (safe to call from an event loop)."""

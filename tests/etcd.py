@@ -21,7 +21,6 @@ import json
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import tempfile
 import time
@@ -32,6 +31,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
+
+from tests.ports import free_ports as _free_ports
 
 ETCD_BIN = Path(os.environ.get("LEVERET_ETCD_BIN", "/usr/bin/etcd"))
 ETCDCTL_BIN = Path(os.environ.get("LEVERET_ETCDCTL_BIN", "/usr/bin/etcdctl"))
@@ -57,18 +58,6 @@ def skip_or_fail_without_etcd() -> None:
         pytest.fail(reason)
     pytest.skip(reason)
 
-
-def _free_ports(count: int) -> list[int]:
-    sockets: list[socket.socket] = []
-    try:
-        for _ in range(count):
-            s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-            s.bind(("127.0.0.1", 0))
-            sockets.append(s)
-        return [int(s.getsockname()[1]) for s in sockets]
-    finally:
-        for s in sockets:
-            s.close()
 
 
 def _scratch_parent() -> str | None:
