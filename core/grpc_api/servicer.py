@@ -76,6 +76,21 @@ class ApiError(Exception):
 
 
 # -- properties ---------------------------------------------------------------
+def message_properties(
+    user: User, given: Any, persistent: bool
+) -> tuple[bytes, properties.PropertySummary]:
+    """A pushed message's property bytes and summary; a user-id other than the caller's is refused, as in AMQP."""
+    if not len(given):
+        return _PERSISTENT if persistent else _TRANSIENT
+    props = encode_properties(dict(given), persistent)
+    summary = properties.scan(props)
+    if summary.user_id is not None and summary.user_id != user.name:
+        raise PreconditionFailed(
+            f"user_id property set to '{summary.user_id}' but authenticated user was '{user.name}'"
+        )
+    return props, summary
+
+
 def encode_properties(props: dict[str, str], persistent: bool) -> bytes:
     """A Push's string map as AMQP basic properties (unknown names become headers)."""
     out: dict[str, Any] = {}
@@ -428,15 +443,7 @@ class BrokerServicer(pb_grpc.BrokerServicer):
     ) -> tuple[Message, int, bool, asyncio.Future[bool] | None]:
         """Enqueue one pushed message: (message, offset, waits for the store, the owner's answer)."""
         persistent = req.persistent if req.HasField("persistent") else q.durable
-        if len(req.properties):
-            props = encode_properties(dict(req.properties), persistent)
-            summary = properties.scan(props)
-            if summary.user_id is not None and summary.user_id != user.name:
-                raise PreconditionFailed(
-                    f"user_id property set to '{summary.user_id}' but authenticated user was '{user.name}'"
-                )
-        else:
-            props, summary = _PERSISTENT if persistent else _TRANSIENT
+        props, summary = message_properties(user, req.properties, persistent)
         message = Message("", req.topic, props, req.content, summary, self.broker.node_id)
         offset = q.next_offset
         if not q.enqueue(message):

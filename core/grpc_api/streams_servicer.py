@@ -26,7 +26,6 @@ from typing import Any
 import grpc
 
 from core import partition, properties
-from core.errors import PreconditionFailed
 from core.grpc_api import leveret_pb2 as pb
 from core.grpc_api import leveret_pb2_grpc as pb_grpc
 from core.grpc_api.servicer import (
@@ -36,7 +35,7 @@ from core.grpc_api.servicer import (
     BrokerServicer,
     _errors,
     decode_properties,
-    encode_properties,
+    message_properties,
 )
 from core.message import Message, QueuedMessage
 from core.queue import Consumer, Queue
@@ -44,8 +43,6 @@ from core.stream import StreamQueue, StreamReader
 from core.stream_args import FIRST, LAST, NEXT, OffsetSpec, parse_age
 from core.vhost import VirtualHost
 
-_PERSISTENT_RAW = properties.encode({"delivery_mode": 2})
-_PERSISTENT = (_PERSISTENT_RAW, properties.scan(_PERSISTENT_RAW))
 _SPECS: dict[int, OffsetSpec] = {int(pb.OFFSET_NEXT): NEXT, int(pb.OFFSET_FIRST): FIRST, int(pb.OFFSET_LAST): LAST}
 
 
@@ -198,15 +195,7 @@ class StreamsServicer(pb_grpc.StreamsServicer):
         async with _errors(context):
             user, vh = self.api._login(context)
             topic = request.topic
-            if len(request.properties):
-                props = encode_properties(dict(request.properties), True)
-                summary = properties.scan(props)
-                if summary.user_id is not None and summary.user_id != user.name:
-                    raise PreconditionFailed(
-                        f"user_id property set to '{summary.user_id}' but authenticated user was '{user.name}'"
-                    )
-            else:
-                props, summary = _PERSISTENT
+            props, summary = message_properties(user, request.properties, True)
             x = partition.exchange_of(vh, topic)
             node = self.api.broker.node_id
             q: Queue
