@@ -236,3 +236,32 @@ def test_status_events_report_a_lost_node_and_its_moved_queues(cluster: Cluster)
             client.close()
     finally:
         conn.close()
+
+
+def test_sigterm_hands_the_queues_over_before_exit(cluster: Cluster) -> None:
+    """After the status test killed a node: SIGTERM the other non-n1 node, which owns a queue with messages."""
+    leaving = next(n for n in cluster.others("n1"))
+    conn, ch = _channel(cluster, "n1")
+    try:
+        name = ""
+        for i in range(10):  # placement: the next queues go to the node with the fewest
+            ch.queue_declare(f"sem.leaving.{i}", durable=True)
+            if cluster.wait_owner(f"sem.leaving.{i}", timeout=10) == leaving:
+                name = f"sem.leaving.{i}"
+                break
+        assert name, f"no queue placed on {leaving}"
+        ch.confirm_delivery()
+        for i in range(20):
+            ch.basic_publish("", name, f"h{i}".encode(), pika.BasicProperties(delivery_mode=2))
+        assert cluster.terminate(leaving) == 0
+        assert cluster.owner(name) == "n1"
+        got = []
+        while True:
+            m = ch.basic_get(name, auto_ack=True)
+            if m[0] is None:
+                break
+            got.append(m[2])
+        assert got == [f"h{i}".encode() for i in range(20)]
+        assert not [q for q in cluster.status()["queues"] if q["owner"] == leaving]
+    finally:
+        conn.close()

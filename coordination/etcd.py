@@ -36,6 +36,7 @@ import grpc
 from coordination.keys import Layout, decode_args, dumps, encode_args, loads
 from core import direct_reply
 from core.broker import Broker, User
+from core.cluster import ClusterStartError
 from core.durability import Durability, QueueStorage, _restored
 from core.errors import BrokerError, NotFound, PreconditionFailed
 from core.exchange import Exchange
@@ -188,9 +189,9 @@ class EtcdCluster:
             try:
                 await self._connect(deadline)
                 break
-            except StoreError:
+            except StoreError as exc:
                 if time.monotonic() > deadline:
-                    raise
+                    raise ClusterStartError(f"{exc} (--etcd {','.join(self.settings.endpoints)})") from None
                 await asyncio.sleep(0.5)
         self.peers.on_congestion = self._congestion
         self.broker.reply_to.tag = direct_reply.node_tag(self.node_id)

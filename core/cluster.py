@@ -18,6 +18,10 @@ if TYPE_CHECKING:
     from core.vhost import VirtualHost
 
 
+class ClusterStartError(Exception):
+    """The node cannot join its cluster (etcd unreachable at start-up)."""
+
+
 class ClusterEvents(Protocol):
     def __call__(self, kind: str, node: str, vhost: str = "", queue: str = "") -> None: ...
 

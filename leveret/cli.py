@@ -87,12 +87,16 @@ def main(argv: list[str] | None = None) -> int:
     from leveret import logs, node
 
     logs.setup(config.log_level, config.log_format)
+    from core.cluster import ClusterStartError
     from core.store import StoreError
 
     try:
         node.run(config)
     except StoreError as exc:
         print(f"leveret: cannot open the message store: {exc}", file=sys.stderr)
+        return 1
+    except ClusterStartError as exc:
+        print(f"leveret: cannot join the cluster: {exc}", file=sys.stderr)
         return 1
     except OSError as exc:
         print(f"leveret: cannot serve on {config.bind}:{config.amqp_port}: {exc.strerror or exc}", file=sys.stderr)
