@@ -27,6 +27,13 @@ def cluster() -> Iterator[Cluster]:
         yield c
 
 
+@pytest.fixture
+def make_three() -> Iterator[Cluster]:
+    """A cluster of its own, for a test that kills a node the others still need."""
+    with Cluster(3) as c:
+        yield c
+
+
 def _channel(cluster: Cluster, node: str) -> tuple[pika.BlockingConnection, BlockingChannel]:
     conn = pika.BlockingConnection(pika.URLParameters(cluster.url(node)))
     return conn, conn.channel()
@@ -201,6 +208,59 @@ def test_stream_written_through_a_non_owner_is_read_from_its_owner(cluster: Clus
             wconn.close()
     finally:
         conn.close()
+
+
+def test_stream_consumer_group_resumes_on_the_new_owner_after_a_failover(make_three: Any) -> None:
+    cluster = make_three
+    conn, ch = _channel(cluster, "n1")
+    ch.queue_declare("gs", durable=True, arguments={"x-queue-type": "stream"})
+    conn.close()
+    owner = cluster.wait_owner("gs", timeout=10)
+    assert owner is not None
+    oconn, och = _channel(cluster, owner)
+    och.confirm_delivery()
+    for i in range(20):
+        och.basic_publish("", "gs", f"g{i}".encode(), pika.BasicProperties(delivery_mode=2))
+    och.basic_qos(prefetch_count=5)
+    seen: list[int] = []
+
+    def first_ten(chan: BlockingChannel, method: Any, props: Any, body: bytes) -> None:
+        if len(seen) < 10:
+            seen.append(int(props.headers["x-stream-offset"]))
+            chan.basic_ack(method.delivery_tag)
+
+    och.basic_consume("gs", first_ten, arguments={"x-stream-offset": "first", "x-stream-consumer-group": "g"})
+    deadline = time.monotonic() + 10
+    while len(seen) < 10 and time.monotonic() < deadline:
+        oconn.process_data_events(time_limit=0.1)
+    assert seen == list(range(10))
+    deadline = time.monotonic() + 5
+    while time.monotonic() < deadline:  # the group's committed offset reaches the store
+        oconn.process_data_events(time_limit=0.1)
+        if cluster.sql("SELECT \"offset\" FROM stream_offsets WHERE queue = 'gs' AND grp = 'g'") == [(9,)]:
+            break
+    else:
+        raise AssertionError(f"group offset in the store: {cluster.sql('SELECT * FROM stream_offsets')}")
+    oconn.close()
+    cluster.kill(owner)
+    new = cluster.wait_owner("gs", lambda o: o not in (None, owner), timeout=15)
+    assert new is not None and new != owner
+    nconn, nch = _channel(cluster, new)
+    try:
+        nch.basic_qos(prefetch_count=50)
+        resumed: list[tuple[int, bytes]] = []
+
+        def on_message(chan: BlockingChannel, method: Any, props: Any, body: bytes) -> None:
+            resumed.append((int(props.headers["x-stream-offset"]), body))
+            chan.basic_ack(method.delivery_tag)
+
+        nch.basic_consume("gs", on_message, arguments={"x-stream-offset": "first", "x-stream-consumer-group": "g"})
+        deadline = time.monotonic() + 10
+        while len(resumed) < 10 and time.monotonic() < deadline:
+            nconn.process_data_events(time_limit=0.1)
+        assert resumed == [(i, f"g{i}".encode()) for i in range(10, 20)]
+    finally:
+        nconn.close()
 
 
 def test_status_events_report_a_lost_node_and_its_moved_queues(cluster: Cluster) -> None:
