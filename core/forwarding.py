@@ -81,15 +81,6 @@ class ProxiedMessage(QueuedMessage):
         self.sub = sub
 
 
-def _message_of(d: pb.ProxiedDelivery | pb.ForwardedMessage, node: str) -> Message:
-    m = Message(d.exchange, d.routing_key, d.properties, d.body, node=node)
-    if d.message_id:
-        m.id = d.message_id
-    if d.timestamp:
-        m.timestamp = d.timestamp
-    return m
-
-
 # Packed records (the hot path; see the proto's `packed` fields). All names
 # are AMQP short strings (<= 255 bytes); message ids are our own (< 64 KiB).
 _FWD = struct.Struct(">BBBBIIHd")  # vhost, queue, exchange, routing key, props, body, id lengths; timestamp
@@ -145,12 +136,14 @@ def pack_delivery(parts: list[bytes], did: int, qm: QueuedMessage) -> None:
     parts += (ex, rk, m.props, m.body, mid)
 
 
-def unpack_deliveries(data: bytes) -> list[tuple[int, int, bool, int, float, str, str, bytes, bytes, str]]:
+def unpack_deliveries(data: bytes, link: PeerLink, sub: int) -> list[ProxiedMessage]:
+    """The owner's packed deliveries as the messages this node holds for them (``sub`` 0: a basic.get)."""
     out = []
     pos = 0
     end = len(data)
     unpack = _DLV.unpack_from
     size = _DLV.size
+    node = link.node_id
     while pos < end:
         did, offset, redelivered, count, ts, lx, lr, lp, lb, li = unpack(data, pos)
         pos += size
@@ -162,9 +155,15 @@ def unpack_deliveries(data: bytes) -> list[tuple[int, int, bool, int, float, str
         pos += lp
         body = data[pos : pos + lb]
         pos += lb
-        mid = data[pos : pos + li].decode() if li else ""
-        pos += li
-        out.append((did, offset, bool(redelivered), count, ts, exchange, rk, props, body, mid))
+        m = Message(exchange, rk, props, body, node=node)
+        m.timestamp = ts
+        if li:
+            m.id = data[pos : pos + li].decode()
+            pos += li
+        qm = ProxiedMessage(m, offset, link, did, sub)
+        qm.redelivered = bool(redelivered)
+        qm.delivery_count = count
+        out.append(qm)
     return out
 
 
@@ -431,11 +430,11 @@ class PeerLink:
         kind = event.kind
         if kind == pb.SessionEvent.DELIVERIES:
             remote = self.subscriptions.get(event.sub)
-            records = unpack_deliveries(event.packed)
+            messages = unpack_deliveries(event.packed, self, event.sub)
             if remote is None:
-                self.requeue([r[0] for r in records])
+                self.requeue([qm.remote_id for qm in messages])
                 return
-            remote.deliveries(self, event.sub, records)
+            remote.deliveries(self, event.sub, messages)
         elif kind == pb.SessionEvent.CANCELLED:
             remote = self.subscriptions.pop(event.sub, None)
             if remote is not None:
@@ -449,11 +448,7 @@ class PeerLink:
             elif kind == pb.SessionEvent.GET_EMPTY:
                 fut.set_result((None, 0))
             else:
-                d = event.deliveries[0]
-                qm = ProxiedMessage(_message_of(d, self.node_id), d.offset, self, d.id, 0)
-                qm.redelivered = d.redelivered
-                qm.delivery_count = d.delivery_count
-                fut.set_result((qm, event.remaining))
+                fut.set_result((unpack_deliveries(event.packed, self, 0)[0], event.remaining))
 
     async def purge(self, vhost: str, queue: str) -> int:
         result = await self.stub.Purge(pb.QueueRef(vhost=vhost, queue=queue), timeout=10)
@@ -623,21 +618,13 @@ class QueueRemote:
             self.window = window
             link.set_window(self.sub, window)
 
-    def deliveries(self, link: PeerLink, sub: int, records: list[Any]) -> None:
+    def deliveries(self, link: PeerLink, sub: int, messages: list[ProxiedMessage]) -> None:
         if link is not self.link or sub != self.sub:
-            link.requeue([r[0] for r in records])
+            link.requeue([qm.remote_id for qm in messages])
             return
-        qch = self.queue.default
-        node = link.node_id
-        for did, offset, redelivered, count, ts, exchange, rk, props, body, mid in records:
-            m = Message(exchange, rk, props, body, node=node)
-            m.timestamp = ts
-            if mid:
-                m.id = mid
-            qm = ProxiedMessage(m, offset, link, did, sub)
-            qm.redelivered = redelivered
-            qm.delivery_count = count
-            qch.push(qm)
+        push = self.queue.default.push
+        for qm in messages:
+            push(qm)
 
     def subscription_cancelled(self, link: PeerLink, sub: int, reason: str) -> None:
         if link is self.link and sub == self.sub:
@@ -809,12 +796,9 @@ class _OwnerSession:
         did = next(self.ids)
         if not c.no_ack:
             self.unacked[did] = (qm, None, qch)
-        m = qm.message
-        d = pb.ProxiedDelivery(
-            id=did, offset=qm.offset, exchange=m.exchange, routing_key=m.routing_key, properties=m.props, body=m.body,
-            message_id=m.id, timestamp=m.timestamp, redelivered=qm.redelivered, delivery_count=qm.delivery_count,
-        )
-        self.out.put_nowait(pb.SessionEvent(kind=pb.SessionEvent.GET_OK, sub=c.sub, deliveries=[d],
+        parts: list[bytes] = []
+        pack_delivery(parts, did, qm)
+        self.out.put_nowait(pb.SessionEvent(kind=pb.SessionEvent.GET_OK, sub=c.sub, packed=b"".join(parts),
                                             remaining=len(qch.ready)))
 
     def _settle(self, ids: Any, how: str) -> None:

@@ -2,40 +2,18 @@ from google.protobuf.internal import containers as _containers
 from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
 from google.protobuf import descriptor as _descriptor
 from google.protobuf import message as _message
-from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from collections.abc import Iterable as _Iterable
 from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 
 DESCRIPTOR: _descriptor.FileDescriptor
 
-class ForwardedMessage(_message.Message):
-    __slots__ = ("vhost", "queue", "exchange", "routing_key", "properties", "body", "message_id", "timestamp")
-    VHOST_FIELD_NUMBER: _ClassVar[int]
-    QUEUE_FIELD_NUMBER: _ClassVar[int]
-    EXCHANGE_FIELD_NUMBER: _ClassVar[int]
-    ROUTING_KEY_FIELD_NUMBER: _ClassVar[int]
-    PROPERTIES_FIELD_NUMBER: _ClassVar[int]
-    BODY_FIELD_NUMBER: _ClassVar[int]
-    MESSAGE_ID_FIELD_NUMBER: _ClassVar[int]
-    TIMESTAMP_FIELD_NUMBER: _ClassVar[int]
-    vhost: str
-    queue: str
-    exchange: str
-    routing_key: str
-    properties: bytes
-    body: bytes
-    message_id: str
-    timestamp: float
-    def __init__(self, vhost: _Optional[str] = ..., queue: _Optional[str] = ..., exchange: _Optional[str] = ..., routing_key: _Optional[str] = ..., properties: _Optional[bytes] = ..., body: _Optional[bytes] = ..., message_id: _Optional[str] = ..., timestamp: _Optional[float] = ...) -> None: ...
-
 class ForwardBatch(_message.Message):
-    __slots__ = ("seq", "messages", "packed")
+    __slots__ = ("seq", "packed")
     SEQ_FIELD_NUMBER: _ClassVar[int]
-    MESSAGES_FIELD_NUMBER: _ClassVar[int]
     PACKED_FIELD_NUMBER: _ClassVar[int]
     seq: int
-    messages: _containers.RepeatedCompositeFieldContainer[ForwardedMessage]
     packed: bytes
-    def __init__(self, seq: _Optional[int] = ..., messages: _Optional[_Iterable[_Union[ForwardedMessage, _Mapping]]] = ..., packed: _Optional[bytes] = ...) -> None: ...
+    def __init__(self, seq: _Optional[int] = ..., packed: _Optional[bytes] = ...) -> None: ...
 
 class ForwardResult(_message.Message):
     __slots__ = ("seq", "accepted", "error")
@@ -91,32 +69,8 @@ class SessionControl(_message.Message):
     no_ack: bool
     def __init__(self, kind: _Optional[_Union[SessionControl.Kind, str]] = ..., sub: _Optional[int] = ..., vhost: _Optional[str] = ..., queue: _Optional[str] = ..., window: _Optional[int] = ..., ids: _Optional[_Iterable[int]] = ..., no_ack: _Optional[bool] = ...) -> None: ...
 
-class ProxiedDelivery(_message.Message):
-    __slots__ = ("id", "offset", "exchange", "routing_key", "properties", "body", "message_id", "timestamp", "redelivered", "delivery_count")
-    ID_FIELD_NUMBER: _ClassVar[int]
-    OFFSET_FIELD_NUMBER: _ClassVar[int]
-    EXCHANGE_FIELD_NUMBER: _ClassVar[int]
-    ROUTING_KEY_FIELD_NUMBER: _ClassVar[int]
-    PROPERTIES_FIELD_NUMBER: _ClassVar[int]
-    BODY_FIELD_NUMBER: _ClassVar[int]
-    MESSAGE_ID_FIELD_NUMBER: _ClassVar[int]
-    TIMESTAMP_FIELD_NUMBER: _ClassVar[int]
-    REDELIVERED_FIELD_NUMBER: _ClassVar[int]
-    DELIVERY_COUNT_FIELD_NUMBER: _ClassVar[int]
-    id: int
-    offset: int
-    exchange: str
-    routing_key: str
-    properties: bytes
-    body: bytes
-    message_id: str
-    timestamp: float
-    redelivered: bool
-    delivery_count: int
-    def __init__(self, id: _Optional[int] = ..., offset: _Optional[int] = ..., exchange: _Optional[str] = ..., routing_key: _Optional[str] = ..., properties: _Optional[bytes] = ..., body: _Optional[bytes] = ..., message_id: _Optional[str] = ..., timestamp: _Optional[float] = ..., redelivered: _Optional[bool] = ..., delivery_count: _Optional[int] = ...) -> None: ...
-
 class SessionEvent(_message.Message):
-    __slots__ = ("kind", "sub", "deliveries", "reason", "code", "remaining", "packed")
+    __slots__ = ("kind", "sub", "reason", "code", "remaining", "packed")
     class Kind(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
         __slots__ = ()
         KIND_UNSPECIFIED: _ClassVar[SessionEvent.Kind]
@@ -133,19 +87,17 @@ class SessionEvent(_message.Message):
     ERROR: SessionEvent.Kind
     KIND_FIELD_NUMBER: _ClassVar[int]
     SUB_FIELD_NUMBER: _ClassVar[int]
-    DELIVERIES_FIELD_NUMBER: _ClassVar[int]
     REASON_FIELD_NUMBER: _ClassVar[int]
     CODE_FIELD_NUMBER: _ClassVar[int]
     REMAINING_FIELD_NUMBER: _ClassVar[int]
     PACKED_FIELD_NUMBER: _ClassVar[int]
     kind: SessionEvent.Kind
     sub: int
-    deliveries: _containers.RepeatedCompositeFieldContainer[ProxiedDelivery]
     reason: str
     code: int
     remaining: int
     packed: bytes
-    def __init__(self, kind: _Optional[_Union[SessionEvent.Kind, str]] = ..., sub: _Optional[int] = ..., deliveries: _Optional[_Iterable[_Union[ProxiedDelivery, _Mapping]]] = ..., reason: _Optional[str] = ..., code: _Optional[int] = ..., remaining: _Optional[int] = ..., packed: _Optional[bytes] = ...) -> None: ...
+    def __init__(self, kind: _Optional[_Union[SessionEvent.Kind, str]] = ..., sub: _Optional[int] = ..., reason: _Optional[str] = ..., code: _Optional[int] = ..., remaining: _Optional[int] = ..., packed: _Optional[bytes] = ...) -> None: ...
 
 class PurgeResult(_message.Message):
     __slots__ = ("purged",)
