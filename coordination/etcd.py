@@ -37,7 +37,7 @@ from coordination.keys import Layout, decode_args, dumps, encode_args, loads
 from core import direct_reply
 from core.broker import Broker, User
 from core.cluster import ClusterStartError
-from core.durability import Durability, QueueStorage, _restored
+from core.durability import Durability, QueueStorage
 from core.errors import BrokerError, NotFound, PreconditionFailed
 from core.exchange import Exchange
 from core.forwarding import LoadingGate, NodeService, NotOwner, Peers, QueueRemote
@@ -134,6 +134,7 @@ class EtcdCluster:
         self.mirror = Mirror()
         self.peers = Peers(self._grpc_address, self._peer_broken)
         self.service = NodeService(broker, self.owned)
+        self.durability = Durability(store, committer)
         self.serving: dict[tuple[str, str], str] = {}  # -> "loading" | "ready"
         self._taking: dict[tuple[str, str], asyncio.Task[None]] = {}
         self._client: aetcd.Client | None = None
@@ -232,11 +233,10 @@ class EtcdCluster:
         t = self.client.transactions
         for name in list(self.broker.vhosts):
             key = self.keys.vhost(name)
-            await self.client.transaction(compare=[t.create(key) == 0], success=[t.put(key, dumps({}))], failure=[])
+            await self._txn([t.create(key) == 0], [t.put(key, dumps({}))])
         for user in list(self.broker.users.values()):
             key = self.keys.user(user.name)
-            await self.client.transaction(compare=[t.create(key) == 0], success=[t.put(key, _user_value(user))],
-                                          failure=[])
+            await self._txn([t.create(key) == 0], [t.put(key, _user_value(user))])
 
     async def stop(self, handover: bool = True) -> None:
         self._stopping = True
@@ -611,45 +611,31 @@ class EtcdCluster:
             self.serving.pop(vq, None)
             return
         gate = LoadingGate(q, self.peers)
-        old = q.remote
-        if old is not None and not isinstance(old, LoadingGate):
-            gate._held = old.detach()
-        elif isinstance(old, LoadingGate):
-            gate._held = old.detach()
+        if q.remote is not None:
+            gate._held = q.remote.detach()
         q.remote = gate
         started = time.monotonic()
         try:
             loaded = 0
-            if isinstance(q, StreamQueue):
-                await self.store.claim(vq[0], vq[1], epoch)
-                q.storage = QueueStorage(vq[0], vq[1], self.committer, epoch)
-                loaded = await Durability(self.store, self.committer).restore_stream(q, self.broker.node_id)
-            elif q.durable and not q.exclusive:
+            if q.durable and not q.exclusive:
                 # Fence first, then load: a write from a previous owner can no longer land.
                 await self.store.claim(vq[0], vq[1], epoch)
-                stored = await self.store.load_messages(vq[0], vq[1])
                 for ch in q.channels:
                     ch.ready.clear()
                     ch.ready_bytes = 0
-                node = self.broker.node_id
-                for sm in stored:
-                    q.restore(_restored(sm, node), sm.offset, sm.expires_at, sm.delivery_count)
-                loaded = len(stored)
                 q.storage = QueueStorage(vq[0], vq[1], self.committer, epoch)
-        except Fenced:
-            log.warning("queue taken over by a newer owner while loading", extra={"vhost": vq[0], "queue": vq[1]})
-            if q.remote is gate:
-                self._taking.pop(vq, None)
-                self.serving.pop(vq, None)
-                self._become_remote(q, None)
-            return
+                loaded = await self.durability.load(q, self.broker.node_id)
         except (StoreError, asyncio.CancelledError) as exc:
             if q.remote is gate:
+                q.storage = None
                 self._taking.pop(vq, None)
                 self.serving.pop(vq, None)
                 self._become_remote(q, None)
             if isinstance(exc, asyncio.CancelledError):
                 raise
+            if isinstance(exc, Fenced):
+                log.warning("queue taken over by a newer owner while loading", extra={"vhost": vq[0], "queue": vq[1]})
+                return
             log.error("cannot take the queue over (store failed); giving it up",
                       extra={"vhost": vq[0], "queue": vq[1], "error": str(exc)})
             await self._give_up(vq)
@@ -742,12 +728,15 @@ class EtcdCluster:
                 owner = self.mirror.owners.get(vq)
                 self._release(vq, owner[0] if owner and owner[0] != self.node_id else None)
 
-    async def _give_up(self, vq: tuple[str, str]) -> None:
+    async def _give_up(self, vq: tuple[str, str]) -> bool:
+        """Delete our owner key of ``vq``; False when it is not ours (any more) or etcd did not answer."""
         t = self.client.transactions
         key = self.keys.owner(*vq)
-        with contextlib.suppress(Exception):
-            await self.client.transaction(compare=[t.value(key) == self.node_id.encode()], success=[t.delete(key)],
-                                          failure=[])
+        try:
+            ok, _ = await self._txn([t.value(key) == self.node_id.encode()], [t.delete(key)])
+        except Exception:  # noqa: BLE001 - the caller goes on either way
+            return False
+        return bool(ok)
 
     def _owned_counts(self) -> dict[str, int]:
         counts = {node: 0 for node in self.mirror.nodes}
@@ -780,9 +769,8 @@ class EtcdCluster:
         okey = self.keys.owner(*vq)
         qkey = self.keys.queue(*vq)
         try:
-            ok, _ = await asyncio.wait_for(self.client.transaction(
-                compare=[t.create(okey) == 0, t.version(qkey) > 0],
-                success=[t.put(okey, node.encode(), lease=lease)], failure=[]), OP_TIMEOUT)
+            ok, _ = await self._txn([t.create(okey) == 0, t.version(qkey) > 0],
+                                    [t.put(okey, node.encode(), lease=lease)])
         except Exception as exc:  # noqa: BLE001
             log.warning("acquiring queue failed", extra={"vhost": vq[0], "queue": vq[1], "error": str(exc)})
             return False
@@ -795,8 +783,7 @@ class EtcdCluster:
         qkey = self.keys.queue(*vq)
         okey = self.keys.owner(*vq)
         with contextlib.suppress(Exception):
-            await asyncio.wait_for(self.client.transaction(
-                compare=[t.create(okey) == 0], success=[t.delete(qkey)], failure=[]), OP_TIMEOUT)
+            await self._txn([t.create(okey) == 0], [t.delete(qkey)])
             await self._delete_bindings_to(vq[0], "queue", vq[1])
 
     async def _reconcile_loop(self) -> None:
@@ -938,14 +925,7 @@ class EtcdCluster:
             await asyncio.wait_for(self.committer.drain(), 10)
         except TimeoutError:
             pass
-        t = self.client.transactions
-        okey = self.keys.owner(*vq)
-        try:
-            ok, _ = await asyncio.wait_for(self.client.transaction(
-                compare=[t.value(okey) == self.node_id.encode()], success=[t.delete(okey)], failure=[]), OP_TIMEOUT)
-        except Exception:  # noqa: BLE001
-            ok = False
-        if not ok:
+        if not await self._give_up(vq):
             q.remote = None
             self.serving[vq] = "ready"
             self._flush_held(q, gate.detach())

@@ -108,13 +108,7 @@ class Durability:
             assert q.storage is not None
             # Fence first, then load: a write from a previous owner can no longer land.
             q.storage.epoch = await self.store.claim(qr.vhost, qr.name)
-            if isinstance(q, StreamQueue):
-                messages += await self.restore_stream(q, broker.node_id)
-                continue
-            stored = await self.store.load_messages(qr.vhost, qr.name)
-            for sm in stored:
-                q.restore(_restored(sm, broker.node_id), sm.offset, sm.expires_at, sm.delivery_count)
-            messages += len(stored)
+            messages += await self.load(q, broker.node_id)
         for br in topo.bindings:
             bvh = broker.vhosts.get(br.vhost)
             if bvh is None or br.source not in bvh.exchanges:
@@ -125,6 +119,17 @@ class Durability:
             if dest is not None:
                 bvh.bind(br.source, dest, br.routing_key, br.arguments, restoring=True)
         return len(topo.queues), messages
+
+    async def load(self, q: Queue, node: str) -> int:
+        """A queue's stored backlog, for an owner that has just claimed its epoch: at start-up,
+        and (in a cluster) when it takes the queue over. Loaded messages are redelivered."""
+        if isinstance(q, StreamQueue):
+            return await self.restore_stream(q, node)
+        assert q.storage is not None
+        stored = await self.store.load_messages(q.storage.vhost, q.storage.name)
+        for sm in stored:
+            q.restore(_restored(sm, node), sm.offset, sm.expires_at, sm.delivery_count)
+        return len(stored)
 
     async def restore_stream(self, q: StreamQueue, node: str) -> int:
         """A stream's log in pages (only its newest part stays in memory), then its groups' offsets.
