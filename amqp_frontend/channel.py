@@ -35,6 +35,7 @@ from core.vhost import server_generated_name
 
 if TYPE_CHECKING:
     from amqp_frontend.connection import Connection
+    from core.forwarding import QueueRemote
 
 # delivery tag -> (message, consumer or None for basic.get, queue channel)
 Unacked = tuple[QueuedMessage, Consumer | None, QueueChannel]
@@ -259,11 +260,8 @@ class Channel:
             if q is not None:
                 accepted = q.enqueue(message)
                 stored = q.storage is not None
-                if q.remote is not None and self._tx_join is not None:
-                    q.remote.when_forwarded(self._tx_join.one())
-                elif q.remote is not None and self.confirm:
-                    forwarded = _Join()
-                    q.remote.when_forwarded(forwarded.one())
+                if q.remote is not None:
+                    forwarded = self._await_owner(q.remote, forwarded)
             elif routing_key.startswith(direct_reply.PREFIX):
                 routed = self.conn.broker.reply_to.deliver(routing_key, message)
             else:
@@ -276,12 +274,8 @@ class Channel:
                     accepted = False
                 elif q.storage is not None:
                     stored = True
-                elif q.remote is not None and self._tx_join is not None:
-                    q.remote.when_forwarded(self._tx_join.one())
-                elif q.remote is not None and self.confirm:
-                    if forwarded is None:
-                        forwarded = _Join()
-                    q.remote.when_forwarded(forwarded.one())
+                elif q.remote is not None:
+                    forwarded = self._await_owner(q.remote, forwarded)
         if not routed and mandatory:
             self.conn.send_method(
                 self.number,
@@ -319,6 +313,20 @@ class Channel:
                 # x-overflow reject-publish: nack this one, after acking all before it.
                 self._ack_upto(seq - 1)
                 self._nack(seq)
+
+    def _await_owner(self, remote: QueueRemote, forwarded: _Join | None) -> _Join | None:
+        """A message just went to another node's queue: wait for its owner's answer where the client will.
+
+        In a tx.commit the commit-ok waits; with confirms, the publish's ack
+        (``forwarded``, made here on the first remote queue of the publish).
+        """
+        if self._tx_join is not None:
+            remote.when_forwarded(self._tx_join.one())
+        elif self.confirm:
+            if forwarded is None:
+                forwarded = _Join()
+            remote.when_forwarded(forwarded.one())
+        return forwarded
 
     def _store_outcome(self, entry: list[Any], error: BaseException | None) -> None:
         entry[1] = error is None
