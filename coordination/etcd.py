@@ -147,6 +147,7 @@ class EtcdCluster:
         self._applying = 0
         self._stopping = False
         self.revision = 0
+        self._started = time.time()
         self._synced = asyncio.Event()
         self._bindings: dict[bytes, tuple[str, str, str, str, str, dict[str, Any]]] = {}
         # Exclusive queues being declared here: the connection that owns each.
@@ -222,7 +223,7 @@ class EtcdCluster:
         s = self.settings
         return dumps({"id": self.node_id, "amqp": s.amqp_address, "grpc": s.grpc_address, "region": s.region,
                       "lease": self.lease_id, "queues": len(self.serving), "draining": self.draining,
-                      "started": time.time()})
+                      "started": self._started})
 
     async def _put_node_info(self) -> None:
         await asyncio.wait_for(self.client.put(self.keys.node(self.node_id), self._node_value(), lease=self.lease_id),
@@ -812,8 +813,8 @@ class EtcdCluster:
                     if link is not None:
                         link.watch()
             value = self._node_value()
-            if value.split(b'"started"')[0] != last_info:
-                last_info = value.split(b'"started"')[0]
+            if value != last_info:  # the load (queue count) changed
+                last_info = value
                 with contextlib.suppress(Exception):
                     await asyncio.wait_for(self._put_node_info(), OP_TIMEOUT)
 

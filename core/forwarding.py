@@ -220,7 +220,7 @@ class PeerLink:
         if not self._batch:
             return
         if self.closed:
-            self._fail(self._batch_cbs, self._batch_count)
+            self._fail(self._batch_cbs)
             self._batch, self._batch_cbs, self._batch_bytes, self._batch_count = [], [], 0, 0
             return
         if len(self._inflight) >= MAX_INFLIGHT_BATCHES and not force and self._batch_bytes < BATCH_BYTES:
@@ -270,7 +270,7 @@ class PeerLink:
             self.on_congestion(value)
 
     @staticmethod
-    def _fail(cbs: list[tuple[int, Forwarded]], _count: int) -> None:
+    def _fail(cbs: list[tuple[int, Forwarded]]) -> None:
         for _, cb in cbs:
             cb(False)
 
@@ -309,9 +309,9 @@ class PeerLink:
             if self._batch:
                 waiting = self._batch_cbs
                 self._batch, self._batch_cbs, self._batch_bytes, self._batch_count = [], [], 0, 0
-                self._fail(waiting, 0)
-            for cbs, count, _ in inflight.values():
-                self._fail(cbs, count)
+                self._fail(waiting)
+            for cbs, _, _ in inflight.values():
+                self._fail(cbs)
             if self._forward_q is q:
                 self._forward_q = None
                 self._forward_task = None
@@ -502,6 +502,9 @@ class QueueRemote:
             return
         self._held.append((message, []))
         self._last_held = True
+        self._arm_held_timer()
+
+    def _arm_held_timer(self) -> None:
         if self._held_timer is None:
             self._held_timer = asyncio.get_running_loop().call_later(OWNERLESS_TIMEOUT, self._held_expired)
 
@@ -551,8 +554,8 @@ class QueueRemote:
         self._held.extend(held)
         if self.link is not None and not self.link.closed:
             self._release_held()
-        elif self._held_timer is None:
-            self._held_timer = asyncio.get_running_loop().call_later(OWNERLESS_TIMEOUT, self._held_expired)
+        else:
+            self._arm_held_timer()
 
     def detach(self) -> list[tuple[Message, list[Forwarded]]]:
         """This node takes the queue over: stop proxying, hand back what waits for an owner."""
@@ -828,15 +831,7 @@ class _OwnerSession:
             consumer.channel.remove_consumer(consumer)
         self.consumers.clear()
         self.sub_of.clear()
-        entries = list(self.unacked.values())
-        self.unacked.clear()
-        groups: dict[int, tuple[QueueChannel, list[tuple[QueuedMessage, Consumer | None]]]] = {}
-        for qm, holder, qch in entries:
-            if qch.queue.deleted or qch.queue.remote is not None:
-                continue
-            groups.setdefault(id(qch), (qch, []))[1].append((qm, holder))
-        for qch, items in groups.values():
-            qch.requeue(items)
+        self._settle(list(self.unacked), "requeue")
 
 
 class NodeService(pb_grpc.NodeServicer):
