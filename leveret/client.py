@@ -24,7 +24,7 @@ import time
 from collections import OrderedDict, deque
 from collections.abc import AsyncIterator, Iterable, Iterator
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Generic, Self, TypeVar
 
 import grpc
 import grpc.aio
@@ -57,6 +57,9 @@ _OPTIONS = [
     ("grpc.max_receive_message_length", 256 * 1024 * 1024),
     ("grpc.max_send_message_length", 256 * 1024 * 1024),
 ]
+
+
+T = TypeVar("T")
 
 
 class LeveretError(Exception):
@@ -303,7 +306,41 @@ class _StreamReader:
         self.pending.close()
 
 
-class Subscriber:
+class _Received(Generic[T]):
+    """What a thread receives from a server stream: ``get``, ``poll``, ``fileno``, iteration, ``with``."""
+
+    _reader: _StreamReader
+
+    def get(self, timeout: float | None = None) -> T | None:
+        """The next item; None after ``timeout`` seconds (or when the stream ended cleanly)."""
+        return self._reader.pending.get(timeout)  # type: ignore[no-any-return]
+
+    def poll(self) -> list[T]:
+        """Every item received so far, without waiting."""
+        return self._reader.pending.poll()
+
+    def fileno(self) -> int:
+        """Readable while an item is pending (or the stream ended)."""
+        return self._reader.pending.fileno()
+
+    def close(self) -> None:
+        self._reader.close()
+
+    def __iter__(self) -> Iterator[T]:
+        while True:
+            m = self.get()
+            if m is None:
+                return
+            yield m
+
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+class Subscriber(_Received[Message]):
     """A subscription to one channel (sync). Not thread safe except that a thread receives for it."""
 
     def __init__(self, client: Client, channel_id: str, call: Any) -> None:
@@ -311,20 +348,8 @@ class Subscriber:
         self.channel_id = channel_id
         self._reader = _StreamReader(call, lambda r: [Message._from(d, channel_id) for d in r.messages])
 
-    def get(self, timeout: float | None = None) -> Message | None:
-        """The next message; None after ``timeout`` seconds (or when the stream ended cleanly)."""
-        return self._reader.pending.get(timeout)  # type: ignore[no-any-return]
-
-    def poll(self) -> list[Message]:
-        """Every message received so far, without waiting."""
-        return self._reader.pending.poll()
-
     def available(self) -> int:
         return len(self._reader.pending.items)
-
-    def fileno(self) -> int:
-        """Readable while a message is pending (or the stream ended)."""
-        return self._reader.pending.fileno()
 
     def ack(self, message: Message | Iterable[Message]) -> int:
         return self.client.ack(message)
@@ -336,37 +361,12 @@ class Subscriber:
         """End the subscription: the broker requeues what was not acked (redelivered=True)."""
         self._reader.close()
 
-    def __iter__(self) -> Iterator[Message]:
-        while True:
-            m = self.get()
-            if m is None:
-                return
-            yield m
 
-    def __enter__(self) -> Subscriber:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
-
-
-class StatusSubscriber:
+class StatusSubscriber(_Received[ClusterEvent]):
     """Cluster status events (WatchCluster), sync."""
 
     def __init__(self, call: Any) -> None:
         self._reader = _StreamReader(call, lambda ev: [ClusterEvent._from(ev)])
-
-    def get(self, timeout: float | None = None) -> ClusterEvent | None:
-        return self._reader.pending.get(timeout)  # type: ignore[no-any-return]
-
-    def poll(self) -> list[ClusterEvent]:
-        return self._reader.pending.poll()
-
-    def fileno(self) -> int:
-        return self._reader.pending.fileno()
-
-    def close(self) -> None:
-        self._reader.close()
 
 
 def _ids(message: Message | Iterable[Message]) -> list[int]:

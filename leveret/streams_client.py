@@ -15,7 +15,6 @@ See docs/STREAMS.md.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -23,7 +22,7 @@ import grpc
 
 from core.grpc_api import leveret_pb2 as pb
 from core.grpc_api import leveret_pb2_grpc as pb_grpc
-from leveret.client import _OPTIONS, LeveretError, _metadata, _StreamReader, _wrap
+from leveret.client import _OPTIONS, LeveretError, _metadata, _Received, _StreamReader, _wrap
 
 NEXT = pb.OFFSET_NEXT
 FIRST = pb.OFFSET_FIRST
@@ -48,17 +47,11 @@ class StreamMessage:
         return cls(m.id, m.timestamp_ms, m.topic, m.body, m.stream, m.offset, m.key, dict(m.properties))
 
 
-class StreamSubscriber:
+class StreamSubscriber(_Received[StreamMessage]):
     """Messages of a Subscribe call, received by a thread: ``get``, ``poll``, iteration."""
 
     def __init__(self, call: Any) -> None:
         self._reader = _StreamReader(call, lambda r: [StreamMessage._from(m) for m in r.messages])
-
-    def get(self, timeout: float | None = None) -> StreamMessage | None:
-        return self._reader.pending.get(timeout)  # type: ignore[no-any-return]
-
-    def poll(self) -> list[StreamMessage]:
-        return self._reader.pending.poll()
 
     def take(self, n: int, timeout: float = 5.0) -> list[StreamMessage]:
         """Up to ``n`` messages, waiting at most ``timeout`` seconds for each."""
@@ -69,22 +62,6 @@ class StreamSubscriber:
                 break
             out.append(m)
         return out
-
-    def close(self) -> None:
-        self._reader.close()
-
-    def __iter__(self) -> Iterator[StreamMessage]:
-        while True:
-            m = self.get()
-            if m is None:
-                return
-            yield m
-
-    def __enter__(self) -> StreamSubscriber:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
 
 
 class StreamsClient:
