@@ -833,10 +833,12 @@ class EtcdCluster:
                 # Another node's, or deleted: answer now. (Waiting here would
                 # hold up every batch behind this one on the peer's stream.)
                 return None
-            # Ours or ownerless: wait for the take-over. Unknown: a short
-            # grace, for the declaration's watch event still on its way.
+            # Ours: wait for the take-over. Ownerless or unknown: only a short
+            # grace, for an owner key or declaration still on its way here;
+            # batches on a peer's stream are answered in order, so a long
+            # wait here would hold up every queue that peer forwards to us.
             waited = time.monotonic() - started
-            if waited > (OWNED_WAIT if mine or vq in self.mirror.queues else OWNED_GRACE):
+            if waited > (OWNED_WAIT if mine else OWNED_GRACE):
                 return None
             task = self._taking.get(vq)
             if task is not None:
@@ -931,11 +933,17 @@ class EtcdCluster:
             self.serving[vq] = "ready"
             self._flush_held(q, gate.detach())
             return False
-        # Our own delete event releases the queue; a lost race to another
-        # node is fine, someone owns it.
-        self.mirror.owners.pop(vq, None)
-        self._release(vq, None)  # the gate's held publishes follow to the next owner
-        await self._acquire(vq, target.id, target.lease)
+        # While we waited for etcd, the delete's watch event may already have
+        # released the queue here, and the next owner's key may have arrived
+        # too: keep what the mirror knows instead of forgetting it (a node
+        # that forgot the new owner held forwards for it until OWNED_WAIT).
+        current = self.mirror.owners.get(vq)
+        if current is not None and current[0] == self.node_id:
+            self.mirror.owners.pop(vq, None)
+        if vq in self.serving:
+            self._release(vq, None)  # the gate's held publishes follow to the next owner
+        if vq not in self.mirror.owners:  # a lost race to another node is fine: someone owns it
+            await self._acquire(vq, target.id, target.lease)
         return True
 
     # ============================================================== metadata API

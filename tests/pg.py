@@ -18,7 +18,6 @@ import os
 import pwd
 import shutil
 import signal
-import socket
 import subprocess
 import tempfile
 import time
@@ -28,6 +27,8 @@ from typing import Any
 
 import psycopg
 import pytest
+
+from tests.ports import free_ports
 
 PG_BIN = Path(os.environ.get("LEVERET_PG_BIN", "/usr/lib/postgresql/15/bin"))
 DSN_ENV = "LEVERET_TEST_POSTGRES_DSN"
@@ -54,9 +55,7 @@ def postgres_unavailable() -> str | None:
 
 
 def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+    return free_ports(1)[0]
 
 
 def _as_service_user() -> dict[str, Any]:

@@ -13,13 +13,13 @@ from pathlib import Path
 import pika
 import pytest
 
+from tests.ports import free_ports
+
 ROOT = Path(__file__).resolve().parent.parent
 
 
 def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+    return free_ports(1)[0]
 
 
 def _wait_port(port: int, proc: subprocess.Popen[bytes], timeout: float = 15.0) -> None:

@@ -22,6 +22,7 @@ from core import properties as amqp_properties
 from core.store import Batch, QueueRecord, StoredMessage
 from spark.backend import SQLITE_JAR, Backend
 from spark.policies import NamedPolicy, effective_limits, parse_duration, parse_size
+from tests.ports import free_ports
 
 ROOT = Path(__file__).resolve().parent.parent
 NOW = 1_800_000_000.0
@@ -325,9 +326,7 @@ def test_run_command_reads_the_store_options(tmp_path: Path, spark: Any, capsys:
 
 
 def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+    return free_ports(1)[0]
 
 
 @needs_java

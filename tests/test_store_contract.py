@@ -30,6 +30,7 @@ from core.store import (
     StoreError,
     Topology,
 )
+from tests.ports import free_ports
 
 StoreFactory = Callable[[], MessageStore]
 
@@ -145,9 +146,7 @@ def sort_topology(t: Topology) -> Topology:
 
 
 def closed_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])  # nothing listens there once the socket is closed
+    return free_ports(1)[0]  # nothing listens there
 
 
 # Arguments of many AMQP types, including nested tables and arrays.
