@@ -10,27 +10,31 @@ Every delivery carries the header ``x-stream-offset`` (long), so the message's
 properties are re-encoded per delivery; that happens here, for stream
 consumers only, and the classic delivery path (``Channel.deliver``) is
 untouched.
+
+In a cluster, a consumer of a stream another node owns reads through a
+``RemoteStreamReader`` (core/stream_proxy.py): same checks, same sink, the
+reader itself runs on the owner.
 """
 
 from __future__ import annotations
 
 import struct
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from pamqp import commands
 
 from amqp_frontend import codec
 from core.errors import NotImplementedFeature, PreconditionFailed
+from core.forwarding import NotOwner
 from core.message import QueuedMessage
 from core.properties import PropertySummary
 from core.queue import Consumer, Queue
 from core.stream import StreamQueue
-from core.stream_args import parse_offset
+from core.stream_args import GROUP_ARGUMENT, parse_consumer
+from core.stream_proxy import RemoteStreamReader
 
 if TYPE_CHECKING:
     from amqp_frontend.channel import Channel
-
-GROUP_ARGUMENT = "x-stream-consumer-group"
 
 _u32 = struct.Struct(">I")
 _i64 = struct.Struct(">q")
@@ -121,12 +125,6 @@ def refuse_get(q: Queue) -> None:
 
 def consume(ch: Channel, q: StreamQueue, tag: str, m: commands.Basic.Consume) -> None:
     """basic.consume on a stream: check the consumer, open its reader, start delivering."""
-    if q.remote is not None:
-        owner = q.remote.owner or "(being taken over)"
-        raise PreconditionFailed(
-            f"stream {_name(q)} is served by node {owner}: in a cluster, stream consumers connect to the "
-            "stream's owner (see docs/CLUSTER.md, `leveret cluster status`)"
-        )
     if ch.prefetch_per_consumer == 0:
         raise PreconditionFailed(f"consumer prefetch count is not set for stream queue {_name(q)}")
     if m.no_ack:
@@ -135,12 +133,10 @@ def consume(ch: Channel, q: StreamQueue, tag: str, m: commands.Basic.Consume) ->
         raise PreconditionFailed(f"global qos is not supported by stream queues {_name(q)}; use basic.qos "
                                  "with global=false")
     args = dict(m.arguments or {})
-    spec = parse_offset(args.get("x-stream-offset"))
-    group = args.get(GROUP_ARGUMENT)
-    if isinstance(group, bytes):
-        group = group.decode("utf-8", "replace")
-    if group is not None and (not isinstance(group, str) or not group):
-        raise PreconditionFailed(f"invalid arg '{GROUP_ARGUMENT}': {group!r}; expected a non-empty string")
+    spec, group = parse_consumer(args)
+    if q.remote is not None:
+        _consume_remote(ch, q, tag, m, args)
+        return
     reader = q.open_reader(spec, name=tag, group=group)
     consumer = Consumer(tag, reader, StreamSink(ch), no_ack=False, arguments=args, prefetch=ch.prefetch_per_consumer)
     reader.add_consumer(consumer, dispatch=False)
@@ -149,3 +145,20 @@ def consume(ch: Channel, q: StreamQueue, tag: str, m: commands.Basic.Consume) ->
     if not m.nowait:
         ch.conn.send_method(ch.number, commands.Basic.ConsumeOk(consumer_tag=tag))
     reader.dispatch()
+
+
+def _consume_remote(ch: Channel, q: StreamQueue, tag: str, m: commands.Basic.Consume, args: dict[str, Any]) -> None:
+    """A stream another node owns (cluster): the reader runs there, this consumer reads through it."""
+    assert q.remote is not None
+    link = q.remote.link
+    if link is None or link.closed:
+        # As RabbitMQ says of a queue whose home node is down; a client retries.
+        raise NotOwner(f"home node of stream {_name(q)} is down or being replaced; retry shortly")
+    reader_args = {k: v for k, v in args.items() if k in ("x-stream-offset", GROUP_ARGUMENT)}
+    reader = RemoteStreamReader(q, link, tag, reader_args)
+    consumer = Consumer(tag, reader, StreamSink(ch), no_ack=False, arguments=args, prefetch=ch.prefetch_per_consumer)
+    ch.consumers[tag] = consumer
+    ch._consumer_tag_raw[tag] = codec.shortstr(tag)
+    if not m.nowait:
+        ch.conn.send_method(ch.number, commands.Basic.ConsumeOk(consumer_tag=tag))
+    reader.add_consumer(consumer)

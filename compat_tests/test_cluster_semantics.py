@@ -3,7 +3,7 @@
 The failover and fencing scenarios are in test_cluster.py; this file covers
 what must behave as on a single node when the client's node is not the
 queue's owner: direct reply-to, auto-delete, x-expires, basic.get order,
-exclusive queues.
+exclusive queues, stream consumers and consumer groups.
 """
 
 from __future__ import annotations
@@ -171,7 +171,13 @@ def test_exclusive_queue_is_locked_to_its_connection_on_every_node(cluster: Clus
         conn2.close()
 
 
-def test_stream_written_through_a_non_owner_is_read_from_its_owner(cluster: Cluster) -> None:
+def _pump(conn: pika.BlockingConnection, done: Any, seconds: float) -> None:
+    deadline = time.monotonic() + seconds
+    while not done() and time.monotonic() < deadline:
+        conn.process_data_events(time_limit=0.05)
+
+
+def test_stream_read_through_a_non_owner_keeps_offsets_and_credit(cluster: Cluster) -> None:
     conn, ch = _channel(cluster, "n1")
     try:
         ch.queue_declare("sem.stream", durable=True, arguments={"x-queue-type": "stream"})
@@ -184,30 +190,99 @@ def test_stream_written_through_a_non_owner_is_read_from_its_owner(cluster: Clus
             for i in range(30):
                 och.basic_publish("", "sem.stream", f"s{i}".encode())
             och.basic_qos(prefetch_count=10)
+            got: list[tuple[int, bytes, int]] = []
+
+            def hold(chan: BlockingChannel, method: Any, props: Any, body: bytes) -> None:
+                got.append((int(props.headers["x-stream-offset"]), body, method.delivery_tag))
+
+            tag = och.basic_consume("sem.stream", hold, arguments={"x-stream-offset": "first"})
+            _pump(oconn, lambda: len(got) >= 10, 10)
+            _pump(oconn, lambda: False, 0.5)  # no more than the prefetch while nothing is acked
+            assert [(o, b) for o, b, _ in got] == [(i, f"s{i}".encode()) for i in range(10)]
+            for upto in (20, 30):  # each ack of the window lets the next ten through
+                och.basic_ack(got[-1][2], multiple=True)
+                _pump(oconn, lambda n=upto: len(got) >= n, 10)
+                _pump(oconn, lambda: False, 0.2)
+                assert [(o, b) for o, b, _ in got] == [(i, f"s{i}".encode()) for i in range(upto)]
+            och.basic_ack(got[-1][2], multiple=True)
+            och.basic_cancel(tag)
+
+            # A numeric offset, read through the non-owner too.
+            tail: list[int] = []
+
+            def ack(chan: BlockingChannel, method: Any, props: Any, body: bytes) -> None:
+                tail.append(int(props.headers["x-stream-offset"]))
+                chan.basic_ack(method.delivery_tag)
+
+            och.basic_consume("sem.stream", ack, arguments={"x-stream-offset": 25})
+            _pump(oconn, lambda: len(tail) >= 5, 10)
+            assert tail == [25, 26, 27, 28, 29]
+            # The owner serves the same log to its own consumers.
+            wconn, wch = _channel(cluster, owner)
+            try:
+                wch.basic_qos(prefetch_count=10)
+                mine: list[bytes] = []
+                wch.basic_consume("sem.stream", lambda c, m, p, b: (mine.append(b), c.basic_ack(m.delivery_tag)),
+                                  arguments={"x-stream-offset": "first"})
+                _pump(wconn, lambda: len(mine) >= 30, 10)
+                assert mine == [f"s{i}".encode() for i in range(30)]
+            finally:
+                wconn.close()
+            # Bad consumer arguments are refused by the non-owner itself, as on the owner.
             with pytest.raises(pika.exceptions.ChannelClosedByBroker) as info:
-                och.basic_consume("sem.stream", lambda *a: None, arguments={"x-stream-offset": "first"})
-            assert info.value.reply_code == 406 and owner in info.value.reply_text
+                och.basic_consume("sem.stream", lambda *a: None, arguments={"x-stream-offset": "sideways"})
+            assert info.value.reply_code == 406, info.value
         finally:
             if oconn.is_open:
                 oconn.close()
-        wconn, wch = _channel(cluster, owner)
-        try:
-            wch.basic_qos(prefetch_count=10)
-            got: list[bytes] = []
-
-            def on_message(chan: BlockingChannel, method: Any, props: Any, body: bytes) -> None:
-                got.append(body)
-                chan.basic_ack(method.delivery_tag)
-
-            wch.basic_consume("sem.stream", on_message, arguments={"x-stream-offset": "first"})
-            deadline = time.monotonic() + 10
-            while len(got) < 30 and time.monotonic() < deadline:
-                wconn.process_data_events(time_limit=0.1)
-            assert got == [f"s{i}".encode() for i in range(30)]
-        finally:
-            wconn.close()
     finally:
         conn.close()
+
+
+def test_stream_group_read_through_non_owners_resumes_on_any_node(cluster: Cluster) -> None:
+    conn, ch = _channel(cluster, "n1")
+    try:
+        ch.queue_declare("sem.gstream", durable=True, arguments={"x-queue-type": "stream"})
+        owner = cluster.wait_owner("sem.gstream", timeout=10)
+        assert owner is not None
+        ch.confirm_delivery()
+        for i in range(40):
+            ch.basic_publish("", "sem.gstream", f"m{i}".encode())
+    finally:
+        conn.close()
+    first, second = (n for n in ("n1", "n2", "n3") if n != owner)
+    group = {"x-stream-offset": "first", "x-stream-consumer-group": "sem-g"}
+    aconn, ach = _channel(cluster, first)
+    seen: list[int] = []
+
+    def first_fifteen(chan: BlockingChannel, method: Any, props: Any, body: bytes) -> None:
+        if len(seen) < 15:
+            seen.append(int(props.headers["x-stream-offset"]))
+            chan.basic_ack(method.delivery_tag)
+
+    ach.basic_qos(prefetch_count=5)
+    ach.basic_consume("sem.gstream", first_fifteen, arguments=group)
+    _pump(aconn, lambda: len(seen) >= 15, 10)
+    assert seen == list(range(15))
+    committed = "SELECT \"offset\" FROM stream_offsets WHERE queue = 'sem.gstream' AND grp = 'sem-g'"
+    _pump(aconn, lambda: cluster.sql(committed) == [(14,)], 5)
+    assert cluster.sql(committed) == [(14,)]
+    aconn.close()  # the unacked deliveries (15..19) were never acked: the group resumes at 15
+
+    bconn, bch = _channel(cluster, second)
+    try:
+        bch.basic_qos(prefetch_count=50)
+        resumed: list[tuple[int, bytes]] = []
+
+        def on_message(chan: BlockingChannel, method: Any, props: Any, body: bytes) -> None:
+            resumed.append((int(props.headers["x-stream-offset"]), body))
+            chan.basic_ack(method.delivery_tag)
+
+        bch.basic_consume("sem.gstream", on_message, arguments=group)
+        _pump(bconn, lambda: len(resumed) >= 25, 10)
+        assert resumed == [(i, f"m{i}".encode()) for i in range(15, 40)]
+    finally:
+        bconn.close()
 
 
 def test_stream_consumer_group_resumes_on_the_new_owner_after_a_failover(make_three: Any) -> None:
@@ -242,10 +317,28 @@ def test_stream_consumer_group_resumes_on_the_new_owner_after_a_failover(make_th
     else:
         raise AssertionError(f"group offset in the store: {cluster.sql('SELECT * FROM stream_offsets')}")
     oconn.close()
+    # A reader on each other node, through the owner: the owner's death cancels them (basic.cancel).
+    watchers = []
+    cancelled: list[str] = []
+    for node in (n for n in ("n1", "n2", "n3") if n != owner):
+        wconn, wch = _channel(cluster, node)
+        wch.basic_qos(prefetch_count=5)
+        wch.add_on_cancel_callback(lambda frame, node=node: cancelled.append(node))
+        wch.basic_consume("gs", lambda c, m, p, b: c.basic_ack(m.delivery_tag), arguments={"x-stream-offset": "last"})
+        watchers.append(wconn)
     cluster.kill(owner)
+    deadline = time.monotonic() + 15
+    while len(cancelled) < 2 and time.monotonic() < deadline:
+        for wconn in watchers:
+            wconn.process_data_events(time_limit=0.05)
+    for wconn in watchers:
+        wconn.close()
+    assert sorted(cancelled) == sorted(n for n in ("n1", "n2", "n3") if n != owner), cancelled
     new = cluster.wait_owner("gs", lambda o: o not in (None, owner), timeout=15)
     assert new is not None and new != owner
-    nconn, nch = _channel(cluster, new)
+    # Resume through the survivor that is not the new owner: it reads through the new owner.
+    third = next(n for n in ("n1", "n2", "n3") if n not in (owner, new))
+    nconn, nch = _channel(cluster, third)
     try:
         nch.basic_qos(prefetch_count=50)
         resumed: list[tuple[int, bytes]] = []

@@ -7,7 +7,9 @@ per event-loop turn) and the publisher's confirm waits for the owner's answer,
 which comes after the owner committed. Consumers of such a queue attach to its
 default channel as usual; the ``QueueRemote`` keeps one proxied subscription
 on the owner (``Node/Session``) whose window is the sum of the local
-consumers' prefetch, and settles there what they settle here.
+consumers' prefetch, and settles there what they settle here. A stream
+consumer gets a subscription of its own instead (core/stream_proxy.py): the
+owner runs its reader.
 
 ``NodeService`` is the owner's side of both streams.
 """
@@ -19,16 +21,19 @@ import itertools
 import logging
 import struct
 from collections.abc import AsyncIterator, Awaitable, Callable
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 import grpc
 
 from core import direct_reply
 from core.errors import BrokerError, NotFound
+from core.fieldtable import decode_table
 from core.grpc_api import internal_pb2 as pb
 from core.grpc_api import internal_pb2_grpc as pb_grpc
 from core.message import Message, QueuedMessage
 from core.queue import Consumer, QueueChannel
+from core.stream import StreamQueue
+from core.stream_args import parse_consumer
 
 if TYPE_CHECKING:
     from core.broker import Broker
@@ -168,6 +173,19 @@ def unpack_deliveries(data: bytes, link: PeerLink, sub: int) -> list[ProxiedMess
 
 
 # ============================================================== non-owner side
+class Subscriber(Protocol):
+    """What a proxied subscription delivers to: a ``QueueRemote`` or a ``RemoteStreamReader``."""
+
+    @property
+    def queue(self) -> Queue: ...
+
+    def deliveries(self, link: PeerLink, sub: int, messages: list[ProxiedMessage]) -> None: ...
+
+    def subscription_cancelled(self, link: PeerLink, sub: int, reason: str) -> None: ...
+
+    def session_lost(self, link: PeerLink) -> None: ...
+
+
 class PeerLink:
     """This node's streams to one peer node: forwarded publishes and a session."""
 
@@ -194,7 +212,7 @@ class PeerLink:
         self._barriers: list[tuple[int, asyncio.Future[None]]] = []
         # -- session
         self._sub_ids = itertools.count(1)
-        self.subscriptions: dict[int, QueueRemote] = {}
+        self.subscriptions: dict[int, Subscriber] = {}
         self._control_q: asyncio.Queue[pb.SessionControl | None] | None = None
         self._session_task: asyncio.Task[None] | None = None
         self._acks: list[int] = []
@@ -335,11 +353,11 @@ class PeerLink:
             self._control_q = asyncio.Queue()
             self._session_task = asyncio.get_running_loop().create_task(self._session_loop(self._control_q))
 
-    def subscribe(self, remote: QueueRemote, window: int) -> int:
+    def subscribe(self, remote: Subscriber, window: int, arguments: bytes = b"") -> int:
         sub = next(self._sub_ids)
         self.subscriptions[sub] = remote
         self._control(pb.SessionControl(kind=pb.SessionControl.SUBSCRIBE, sub=sub, vhost=remote.queue.vhost,
-                                        queue=remote.queue.name, window=window))
+                                        queue=remote.queue.name, window=window, arguments=arguments))
         return sub
 
     def set_window(self, sub: int, window: int) -> None:
@@ -762,14 +780,23 @@ class _OwnerSession:
                 self.out.put_nowait(pb.SessionEvent(kind=pb.SessionEvent.CANCELLED, sub=c.sub,
                                                     reason="not the owner of this queue"))
                 return
-            consumer = Consumer(f"proxy-{c.sub}", q.default, self, no_ack=False, prefetch=max(1, c.window))
-            self.consumers[c.sub] = consumer
-            self.sub_of[id(consumer)] = c.sub
             try:
-                q.default.add_consumer(consumer)
+                if isinstance(q, StreamQueue):
+                    # A stream consumer on another node: its own reader, here.
+                    args = decode_table(c.arguments)[0] if c.arguments else {}
+                    spec, group = parse_consumer(args)
+                    qch: QueueChannel = q.open_reader(spec, name=f"proxy-{c.sub}", group=group)
+                else:
+                    args, qch = {}, q.default
+                consumer = Consumer(f"proxy-{c.sub}", qch, self, no_ack=False, arguments=args,
+                                    prefetch=max(1, c.window))
+                self.consumers[c.sub] = consumer
+                self.sub_of[id(consumer)] = c.sub
+                qch.add_consumer(consumer)
             except BrokerError as exc:
-                self.consumers.pop(c.sub, None)
-                self.sub_of.pop(id(consumer), None)
+                gone = self.consumers.pop(c.sub, None)
+                if gone is not None:
+                    self.sub_of.pop(id(gone), None)
                 self.out.put_nowait(pb.SessionEvent(kind=pb.SessionEvent.CANCELLED, sub=c.sub, reason=str(exc)))
         elif kind == pb.SessionControl.WINDOW:
             current = self.consumers.get(c.sub)

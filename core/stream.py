@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import bisect
 import re
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from core.clock import TimerHandle
 from core.errors import NotImplementedFeature
@@ -36,6 +36,9 @@ from core.queue import Queue
 from core.stream_args import OffsetSpec
 from core.stream_index import StoredIndex
 from core.stream_reader import StreamReader
+
+if TYPE_CHECKING:
+    from core.stream_proxy import RemoteStreamReader
 
 # A reader behind the in-memory log reads this many messages from the store at once,
 # fewer when their bodies add up to PAGE_BYTES (1 MiB bodies: 4 a page, not 5000).
@@ -74,7 +77,8 @@ class StreamQueue(Queue):
         self.stored = StoredIndex()  # retained but only in the store (oldest part)
         self.log_bytes = 0  # every retained message
         self.mem_bytes = 0  # those in memory
-        self.readers: list[StreamReader] = []
+        # Readers here; on a node that does not own the stream, proxies of readers on its owner.
+        self.readers: list[StreamReader | RemoteStreamReader] = []
         self.groups: dict[str, StreamReader] = {}
         self.committed: dict[str, int] = {}
         self._age_timer: TimerHandle | None = None

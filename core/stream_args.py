@@ -144,3 +144,18 @@ def _bad_offset(value: Any) -> PreconditionFailed:
         f"invalid arg 'x-stream-offset': {value!r}; use 'first', 'last', 'next', a non-negative offset, "
         "a timestamp, or an interval such as '1h'"
     )
+
+
+# A Leveret extension: a named consumer group (committed offset, one active member).
+GROUP_ARGUMENT = "x-stream-consumer-group"
+
+
+def parse_consumer(arguments: dict[str, Any]) -> tuple[OffsetSpec, str | None]:
+    """Where a stream consumer starts and the group it joins, from its basic.consume arguments."""
+    spec = parse_offset(arguments.get("x-stream-offset"))
+    group = arguments.get(GROUP_ARGUMENT)
+    if isinstance(group, bytes):
+        group = group.decode("utf-8", "replace")
+    if group is not None and (not isinstance(group, str) or not group):
+        raise PreconditionFailed(f"invalid arg '{GROUP_ARGUMENT}': {group!r}; expected a non-empty string")
+    return spec, group

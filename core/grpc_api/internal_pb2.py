@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1c\x63ore/grpc_api/internal.proto\x12\x13leveret.internal.v1\"1\n\x0c\x46orwardBatch\x12\x0b\n\x03seq\x18\x01 \x01(\x04\x12\x0e\n\x06packed\x18\x03 \x01(\x0cJ\x04\x08\x02\x10\x03\"=\n\rForwardResult\x12\x0b\n\x03seq\x18\x01 \x01(\x04\x12\x10\n\x08\x61\x63\x63\x65pted\x18\x02 \x03(\x08\x12\r\n\x05\x65rror\x18\x03 \x01(\t\"(\n\x08QueueRef\x12\r\n\x05vhost\x18\x01 \x01(\t\x12\r\n\x05queue\x18\x02 \x01(\t\"\x95\x02\n\x0eSessionControl\x12\x36\n\x04kind\x18\x01 \x01(\x0e\x32(.leveret.internal.v1.SessionControl.Kind\x12\x0b\n\x03sub\x18\x02 \x01(\x04\x12\r\n\x05vhost\x18\x03 \x01(\t\x12\r\n\x05queue\x18\x04 \x01(\t\x12\x0e\n\x06window\x18\x05 \x01(\r\x12\x0b\n\x03ids\x18\x06 \x03(\x04\x12\x0e\n\x06no_ack\x18\x07 \x01(\x08\"s\n\x04Kind\x12\x14\n\x10KIND_UNSPECIFIED\x10\x00\x12\r\n\tSUBSCRIBE\x10\x01\x12\n\n\x06WINDOW\x10\x02\x12\x07\n\x03\x41\x43K\x10\x03\x12\x0b\n\x07REQUEUE\x10\x04\x12\n\n\x06REJECT\x10\x05\x12\x0f\n\x0bUNSUBSCRIBE\x10\x06\x12\x07\n\x03GET\x10\x07\"\xfb\x01\n\x0cSessionEvent\x12\x34\n\x04kind\x18\x01 \x01(\x0e\x32&.leveret.internal.v1.SessionEvent.Kind\x12\x0b\n\x03sub\x18\x02 \x01(\x04\x12\x0e\n\x06reason\x18\x04 \x01(\t\x12\x0c\n\x04\x63ode\x18\x05 \x01(\r\x12\x11\n\tremaining\x18\x06 \x01(\x04\x12\x0e\n\x06packed\x18\x07 \x01(\x0c\"a\n\x04Kind\x12\x14\n\x10KIND_UNSPECIFIED\x10\x00\x12\x0e\n\nDELIVERIES\x10\x01\x12\r\n\tCANCELLED\x10\x02\x12\n\n\x06GET_OK\x10\x03\x12\r\n\tGET_EMPTY\x10\x04\x12\t\n\x05\x45RROR\x10\x05J\x04\x08\x03\x10\x04\"\x1d\n\x0bPurgeResult\x12\x0e\n\x06purged\x18\x01 \x01(\x04\"1\n\nQueueStats\x12\x10\n\x08messages\x18\x01 \x01(\x04\x12\x11\n\tconsumers\x18\x02 \x01(\r2\xc6\x02\n\x04Node\x12T\n\x07\x46orward\x12!.leveret.internal.v1.ForwardBatch\x1a\".leveret.internal.v1.ForwardResult(\x01\x30\x01\x12U\n\x07Session\x12#.leveret.internal.v1.SessionControl\x1a!.leveret.internal.v1.SessionEvent(\x01\x30\x01\x12H\n\x05Purge\x12\x1d.leveret.internal.v1.QueueRef\x1a .leveret.internal.v1.PurgeResult\x12G\n\x05Stats\x12\x1d.leveret.internal.v1.QueueRef\x1a\x1f.leveret.internal.v1.QueueStatsb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1c\x63ore/grpc_api/internal.proto\x12\x13leveret.internal.v1\"1\n\x0c\x46orwardBatch\x12\x0b\n\x03seq\x18\x01 \x01(\x04\x12\x0e\n\x06packed\x18\x03 \x01(\x0cJ\x04\x08\x02\x10\x03\"=\n\rForwardResult\x12\x0b\n\x03seq\x18\x01 \x01(\x04\x12\x10\n\x08\x61\x63\x63\x65pted\x18\x02 \x03(\x08\x12\r\n\x05\x65rror\x18\x03 \x01(\t\"(\n\x08QueueRef\x12\r\n\x05vhost\x18\x01 \x01(\t\x12\r\n\x05queue\x18\x02 \x01(\t\"\xa8\x02\n\x0eSessionControl\x12\x36\n\x04kind\x18\x01 \x01(\x0e\x32(.leveret.internal.v1.SessionControl.Kind\x12\x0b\n\x03sub\x18\x02 \x01(\x04\x12\r\n\x05vhost\x18\x03 \x01(\t\x12\r\n\x05queue\x18\x04 \x01(\t\x12\x0e\n\x06window\x18\x05 \x01(\r\x12\x0b\n\x03ids\x18\x06 \x03(\x04\x12\x0e\n\x06no_ack\x18\x07 \x01(\x08\x12\x11\n\targuments\x18\x08 \x01(\x0c\"s\n\x04Kind\x12\x14\n\x10KIND_UNSPECIFIED\x10\x00\x12\r\n\tSUBSCRIBE\x10\x01\x12\n\n\x06WINDOW\x10\x02\x12\x07\n\x03\x41\x43K\x10\x03\x12\x0b\n\x07REQUEUE\x10\x04\x12\n\n\x06REJECT\x10\x05\x12\x0f\n\x0bUNSUBSCRIBE\x10\x06\x12\x07\n\x03GET\x10\x07\"\xfb\x01\n\x0cSessionEvent\x12\x34\n\x04kind\x18\x01 \x01(\x0e\x32&.leveret.internal.v1.SessionEvent.Kind\x12\x0b\n\x03sub\x18\x02 \x01(\x04\x12\x0e\n\x06reason\x18\x04 \x01(\t\x12\x0c\n\x04\x63ode\x18\x05 \x01(\r\x12\x11\n\tremaining\x18\x06 \x01(\x04\x12\x0e\n\x06packed\x18\x07 \x01(\x0c\"a\n\x04Kind\x12\x14\n\x10KIND_UNSPECIFIED\x10\x00\x12\x0e\n\nDELIVERIES\x10\x01\x12\r\n\tCANCELLED\x10\x02\x12\n\n\x06GET_OK\x10\x03\x12\r\n\tGET_EMPTY\x10\x04\x12\t\n\x05\x45RROR\x10\x05J\x04\x08\x03\x10\x04\"\x1d\n\x0bPurgeResult\x12\x0e\n\x06purged\x18\x01 \x01(\x04\"1\n\nQueueStats\x12\x10\n\x08messages\x18\x01 \x01(\x04\x12\x11\n\tconsumers\x18\x02 \x01(\r2\xc6\x02\n\x04Node\x12T\n\x07\x46orward\x12!.leveret.internal.v1.ForwardBatch\x1a\".leveret.internal.v1.ForwardResult(\x01\x30\x01\x12U\n\x07Session\x12#.leveret.internal.v1.SessionControl\x1a!.leveret.internal.v1.SessionEvent(\x01\x30\x01\x12H\n\x05Purge\x12\x1d.leveret.internal.v1.QueueRef\x1a .leveret.internal.v1.PurgeResult\x12G\n\x05Stats\x12\x1d.leveret.internal.v1.QueueRef\x1a\x1f.leveret.internal.v1.QueueStatsb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -38,17 +38,17 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_QUEUEREF']._serialized_start=167
   _globals['_QUEUEREF']._serialized_end=207
   _globals['_SESSIONCONTROL']._serialized_start=210
-  _globals['_SESSIONCONTROL']._serialized_end=487
-  _globals['_SESSIONCONTROL_KIND']._serialized_start=372
-  _globals['_SESSIONCONTROL_KIND']._serialized_end=487
-  _globals['_SESSIONEVENT']._serialized_start=490
-  _globals['_SESSIONEVENT']._serialized_end=741
-  _globals['_SESSIONEVENT_KIND']._serialized_start=638
-  _globals['_SESSIONEVENT_KIND']._serialized_end=735
-  _globals['_PURGERESULT']._serialized_start=743
-  _globals['_PURGERESULT']._serialized_end=772
-  _globals['_QUEUESTATS']._serialized_start=774
-  _globals['_QUEUESTATS']._serialized_end=823
-  _globals['_NODE']._serialized_start=826
-  _globals['_NODE']._serialized_end=1152
+  _globals['_SESSIONCONTROL']._serialized_end=506
+  _globals['_SESSIONCONTROL_KIND']._serialized_start=391
+  _globals['_SESSIONCONTROL_KIND']._serialized_end=506
+  _globals['_SESSIONEVENT']._serialized_start=509
+  _globals['_SESSIONEVENT']._serialized_end=760
+  _globals['_SESSIONEVENT_KIND']._serialized_start=657
+  _globals['_SESSIONEVENT_KIND']._serialized_end=754
+  _globals['_PURGERESULT']._serialized_start=762
+  _globals['_PURGERESULT']._serialized_end=791
+  _globals['_QUEUESTATS']._serialized_start=793
+  _globals['_QUEUESTATS']._serialized_end=842
+  _globals['_NODE']._serialized_start=845
+  _globals['_NODE']._serialized_end=1171
 # @@protoc_insertion_point(module_scope)

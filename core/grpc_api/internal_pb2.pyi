@@ -34,7 +34,7 @@ class QueueRef(_message.Message):
     def __init__(self, vhost: _Optional[str] = ..., queue: _Optional[str] = ...) -> None: ...
 
 class SessionControl(_message.Message):
-    __slots__ = ("kind", "sub", "vhost", "queue", "window", "ids", "no_ack")
+    __slots__ = ("kind", "sub", "vhost", "queue", "window", "ids", "no_ack", "arguments")
     class Kind(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
         __slots__ = ()
         KIND_UNSPECIFIED: _ClassVar[SessionControl.Kind]
@@ -60,6 +60,7 @@ class SessionControl(_message.Message):
     WINDOW_FIELD_NUMBER: _ClassVar[int]
     IDS_FIELD_NUMBER: _ClassVar[int]
     NO_ACK_FIELD_NUMBER: _ClassVar[int]
+    ARGUMENTS_FIELD_NUMBER: _ClassVar[int]
     kind: SessionControl.Kind
     sub: int
     vhost: str
@@ -67,7 +68,8 @@ class SessionControl(_message.Message):
     window: int
     ids: _containers.RepeatedScalarFieldContainer[int]
     no_ack: bool
-    def __init__(self, kind: _Optional[_Union[SessionControl.Kind, str]] = ..., sub: _Optional[int] = ..., vhost: _Optional[str] = ..., queue: _Optional[str] = ..., window: _Optional[int] = ..., ids: _Optional[_Iterable[int]] = ..., no_ack: _Optional[bool] = ...) -> None: ...
+    arguments: bytes
+    def __init__(self, kind: _Optional[_Union[SessionControl.Kind, str]] = ..., sub: _Optional[int] = ..., vhost: _Optional[str] = ..., queue: _Optional[str] = ..., window: _Optional[int] = ..., ids: _Optional[_Iterable[int]] = ..., no_ack: _Optional[bool] = ..., arguments: _Optional[bytes] = ...) -> None: ...
 
 class SessionEvent(_message.Message):
     __slots__ = ("kind", "sub", "reason", "code", "remaining", "packed")
