@@ -356,6 +356,54 @@ def test_stream_consumer_group_resumes_on_the_new_owner_after_a_failover(make_th
         nconn.close()
 
 
+def test_grpc_streams_through_any_node(cluster: Cluster) -> None:
+    """The geo seed's shape on a cluster: a partitioned stream written through a node that does not own it,
+    read as one subscription through another, a group committed through one node and resumed on another."""
+    from leveret.streams_client import FIRST, StreamsClient
+
+    topic = "sem.geo"
+    clients = {n: StreamsClient(f"127.0.0.1:{cluster[n].grpc_port}") for n in ("n1", "n2", "n3")}
+    try:
+        clients["n1"].create_stream(topic, partitions=3)
+        owners = {p: cluster.wait_owner(f"{topic}-{p}", timeout=10) for p in range(3)}
+        assert None not in owners.values(), owners
+        # Placement (fewest queues) may put every partition on one node; the nodes that do not own
+        # partition 0 publish and read, so at least that partition goes through forwarding and a proxy.
+        writer, reader = (n for n in ("n1", "n2", "n3") if n != owners[0])
+        sent: dict[str, tuple[bytes, str]] = {}
+        for i in range(60):
+            id_, stream, _ = clients[writer].publish(topic, f"e{i}".encode(), key=f"k{i % 12}")
+            sent[id_] = (f"e{i}".encode(), stream)
+        with clients[reader].subscribe({topic: FIRST}) as sub:
+            got = sub.take(60, timeout=10)
+        assert {m.id: (m.body, m.stream) for m in got} == sent
+        per_stream: dict[str, list[int]] = {}
+        for m in got:
+            per_stream.setdefault(m.stream, []).append(m.offset)
+        assert all(offsets == list(range(len(offsets))) for offsets in per_stream.values()), per_stream
+
+        # A group: read and commit through one non-owner, resume through the other; the store holds the commits.
+        with clients[writer].subscribe({topic: FIRST}, group="geo-g") as sub:
+            first = sub.take(60, timeout=10)
+            last: dict[str, int] = {}
+            for m in first:
+                last[m.stream] = m.offset
+            for stream, offset in last.items():
+                clients[writer].commit("geo-g", stream, offset - 2)  # all but the last two of each partition
+        rows = cluster.sql(
+            f"SELECT queue, \"offset\" FROM stream_offsets WHERE grp = 'geo-g' AND queue LIKE '{topic}-%%'"
+        )
+        assert dict(rows) == {s: o - 2 for s, o in last.items()}, rows
+        with clients[reader].subscribe({topic: FIRST}, group="geo-g") as sub:
+            again = sub.take(3 * 2, timeout=10)
+        assert sorted((m.stream, m.offset) for m in again) == sorted(
+            (s, o) for s, end in last.items() for o in (end - 1, end)
+        )
+    finally:
+        for c in clients.values():
+            c.close()
+
+
 def test_status_events_report_a_lost_node_and_its_moved_queues(cluster: Cluster) -> None:
     """Runs last in this module: it kills a node."""
     from leveret.client import Client
@@ -418,3 +466,4 @@ def test_sigterm_hands_the_queues_over_before_exit(cluster: Cluster) -> None:
         assert not [q for q in cluster.status()["queues"] if q["owner"] == leaving]
     finally:
         conn.close()
+

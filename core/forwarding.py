@@ -33,7 +33,7 @@ from core.grpc_api import internal_pb2_grpc as pb_grpc
 from core.message import Message, QueuedMessage
 from core.queue import Consumer, QueueChannel
 from core.stream import StreamQueue
-from core.stream_args import parse_consumer
+from core.stream_args import parse_reader
 
 if TYPE_CHECKING:
     from core.broker import Broker
@@ -135,7 +135,9 @@ def pack_delivery(parts: list[bytes], did: int, qm: QueuedMessage) -> None:
     m = qm.message
     ex = m.exchange.encode()
     rk = m.routing_key.encode()
-    mid = m._id.encode() if m._id is not None else b""
+    # The owner fixes the id (it is made lazily): the proxy's consumers must see the id the owner
+    # stores, or a redelivery after a failover could not be told from a new message.
+    mid = m.id.encode()
     parts.append(_DLV.pack(did, qm.offset, qm.redelivered, qm.delivery_count, m.timestamp, len(ex), len(rk),
                            len(m.props), len(m.body), len(mid)))
     parts += (ex, rk, m.props, m.body, mid)
@@ -472,6 +474,10 @@ class PeerLink:
         result = await self.stub.Purge(pb.QueueRef(vhost=vhost, queue=queue), timeout=10)
         return int(result.purged)
 
+    async def commit_offset(self, vhost: str, queue: str, group: str, offset: int) -> None:
+        """Set a consumer group's committed offset in a stream the peer owns; returns once its store has it."""
+        await self.stub.CommitOffset(pb.GroupOffset(vhost=vhost, queue=queue, group=group, offset=offset), timeout=10)
+
     async def stats(self, vhost: str, queue: str) -> tuple[int, int]:
         result = await self.stub.Stats(pb.QueueRef(vhost=vhost, queue=queue), timeout=10)
         return int(result.messages), int(result.consumers)
@@ -784,8 +790,9 @@ class _OwnerSession:
                 if isinstance(q, StreamQueue):
                     # A stream consumer on another node: its own reader, here.
                     args = decode_table(c.arguments)[0] if c.arguments else {}
-                    spec, group = parse_consumer(args)
-                    qch: QueueChannel = q.open_reader(spec, name=f"proxy-{c.sub}", group=group)
+                    spec, group, commit = parse_reader(args)
+                    qch: QueueChannel = q.open_reader(spec, name=f"proxy-{c.sub}", group=group,
+                                                      commit_on_settle=commit)
                 else:
                     args, qch = {}, q.default
                 consumer = Consumer(f"proxy-{c.sub}", qch, self, no_ack=False, arguments=args,
@@ -954,6 +961,28 @@ class NodeService(pb_grpc.NodeServicer):
             await context.abort(grpc.StatusCode.FAILED_PRECONDITION, "not the owner of this queue")
             raise AssertionError("unreachable")
         return pb.PurgeResult(purged=q.purge())
+
+    async def CommitOffset(  # noqa: N802
+        self, request: pb.GroupOffset, context: grpc.aio.ServicerContext
+    ) -> pb.CommitResult:
+        q = await self.owned(request.vhost, request.queue)
+        if not isinstance(q, StreamQueue):
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, "not the owner of this stream")
+            raise AssertionError("unreachable")
+        q.set_committed(request.group, request.offset)
+        committer = self.broker.committer
+        if q.storage is not None and committer is not None:
+            done: asyncio.Future[BaseException | None] = asyncio.get_running_loop().create_future()
+
+            def committed(error: BaseException | None) -> None:
+                if not done.done():
+                    done.set_result(error)
+
+            committer.when_committed(committed)
+            error = await done
+            if error is not None:
+                await context.abort(grpc.StatusCode.UNAVAILABLE, f"the store did not commit the offset: {error}")
+        return pb.CommitResult()
 
     async def Stats(self, request: pb.QueueRef, context: grpc.aio.ServicerContext) -> pb.QueueStats:  # noqa: N802
         q = await self.owned(request.vhost, request.queue)

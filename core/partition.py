@@ -12,12 +12,15 @@ AMQP clients can publish to the exchange and consume ``NAME-i`` directly.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from core.errors import NotFound, PreconditionFailed
 from core.exchange import PartitionExchange
 from core.stream import StreamQueue
 from core.vhost import VirtualHost
+
+if TYPE_CHECKING:
+    from core.cluster import Cluster
 
 MAX_PARTITIONS = 1024
 
@@ -35,9 +38,7 @@ def stream_arguments(max_age: str | None = None, max_bytes: int | None = None) -
     return args
 
 
-def create(vh: VirtualHost, name: str, partitions: int, arguments: dict[str, Any], owner: object = None
-           ) -> list[StreamQueue]:
-    """Declare a partitioned stream (idempotent when it exists with the same partition count)."""
+def _check_create(vh: VirtualHost, name: str, partitions: int) -> None:
     if not name:
         raise PreconditionFailed("a partitioned stream needs a name")
     if not 1 <= partitions <= MAX_PARTITIONS:
@@ -50,6 +51,12 @@ def create(vh: VirtualHost, name: str, partitions: int, arguments: dict[str, Any
             raise PreconditionFailed(
                 f"'{name}' in vhost '{vh.name}' already exists as {have}; cannot make it {partitions} partitions"
             )
+
+
+def create(vh: VirtualHost, name: str, partitions: int, arguments: dict[str, Any], owner: object = None
+           ) -> list[StreamQueue]:
+    """Declare a partitioned stream (idempotent when it exists with the same partition count)."""
+    _check_create(vh, name, partitions)
     vh.declare_exchange(name, PartitionExchange.type, durable=True)
     queues = []
     for i in range(partitions):
@@ -77,6 +84,30 @@ def resolve(vh: VirtualHost, topic: str) -> list[StreamQueue]:
         raise PreconditionFailed(f"queue '{topic}' in vhost '{vh.name}' is a {q.args.queue_type} queue, "
                                  "not a stream")
     return [q]
+
+
+async def create_in_cluster(cluster: Cluster, vh: VirtualHost, name: str, partitions: int,
+                            arguments: dict[str, Any], owner: object = None) -> list[StreamQueue]:
+    """``create`` on a cluster: each declaration and binding agreed in etcd first (placing the partitions
+    on the nodes as their owners are chosen), then applied here, as AMQP declarations are."""
+    _check_create(vh, name, partitions)
+    await cluster.declare_exchange(vh, name, PartitionExchange.type, True, False, False, {})
+    for i in range(partitions):
+        await cluster.declare_queue(vh, partition_name(name, i), owner, True, False, False, arguments)
+        await cluster.bind(vh, name, "queue", partition_name(name, i), str(i), {}, True)
+    return create(vh, name, partitions, arguments, owner)
+
+
+async def delete_in_cluster(cluster: Cluster, vh: VirtualHost, name: str, owner: object = None) -> int:
+    """``delete`` on a cluster: the partitions (on whichever nodes own them) and the exchange."""
+    dropped = 0
+    for q in resolve(vh, name):
+        dropped += await cluster.delete_queue(vh, q.name, owner, False, False)
+    if exchange_of(vh, name) is not None:
+        await cluster.delete_exchange(vh, name, False)
+        if name in vh.exchanges:
+            vh.delete_exchange(name)
+    return dropped
 
 
 def delete(vh: VirtualHost, name: str, owner: object = None) -> int:

@@ -159,3 +159,32 @@ def parse_consumer(arguments: dict[str, Any]) -> tuple[OffsetSpec, str | None]:
     if group is not None and (not isinstance(group, str) or not group):
         raise PreconditionFailed(f"invalid arg '{GROUP_ARGUMENT}': {group!r}; expected a non-empty string")
     return spec, group
+
+
+# How a node that does not own a stream asks the owner for a reader (core/stream_proxy.py):
+# the consumer's own arguments plus these, which only nodes send to each other.
+_FROM_TIMESTAMP = "x-leveret-from-timestamp"  # seconds, a float (an AMQP timestamp has whole seconds)
+_COMMIT_ON_SETTLE = "x-leveret-commit-on-settle"
+
+
+def reader_arguments(spec: OffsetSpec, group: str | None, commit_on_settle: bool = True) -> dict[str, Any]:
+    """The arguments that make ``parse_reader`` on the owner give back ``spec``, ``group`` and the commit mode."""
+    args: dict[str, Any] = {_COMMIT_ON_SETTLE: commit_on_settle}
+    if spec.kind == "timestamp":
+        args[_FROM_TIMESTAMP] = float(spec.value)
+    elif spec.kind == "offset":
+        args["x-stream-offset"] = int(spec.value)
+    else:
+        args["x-stream-offset"] = spec.kind
+    if group is not None:
+        args[GROUP_ARGUMENT] = group
+    return args
+
+
+def parse_reader(arguments: dict[str, Any]) -> tuple[OffsetSpec, str | None, bool]:
+    """Where a proxied reader starts, its group, and whether settling commits the group's offset."""
+    spec, group = parse_consumer(arguments)
+    at = arguments.get(_FROM_TIMESTAMP)
+    if isinstance(at, (int, float)) and not isinstance(at, bool):
+        spec = OffsetSpec("timestamp", float(at))
+    return spec, group, arguments.get(_COMMIT_ON_SETTLE, True) is not False

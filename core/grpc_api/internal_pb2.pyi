@@ -107,6 +107,22 @@ class PurgeResult(_message.Message):
     purged: int
     def __init__(self, purged: _Optional[int] = ...) -> None: ...
 
+class GroupOffset(_message.Message):
+    __slots__ = ("vhost", "queue", "group", "offset")
+    VHOST_FIELD_NUMBER: _ClassVar[int]
+    QUEUE_FIELD_NUMBER: _ClassVar[int]
+    GROUP_FIELD_NUMBER: _ClassVar[int]
+    OFFSET_FIELD_NUMBER: _ClassVar[int]
+    vhost: str
+    queue: str
+    group: str
+    offset: int
+    def __init__(self, vhost: _Optional[str] = ..., queue: _Optional[str] = ..., group: _Optional[str] = ..., offset: _Optional[int] = ...) -> None: ...
+
+class CommitResult(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
 class QueueStats(_message.Message):
     __slots__ = ("messages", "consumers")
     MESSAGES_FIELD_NUMBER: _ClassVar[int]

@@ -54,6 +54,11 @@ class NodeStub:
                 request_serializer=core_dot_grpc__api_dot_internal__pb2.QueueRef.SerializeToString,
                 response_deserializer=core_dot_grpc__api_dot_internal__pb2.QueueStats.FromString,
                 _registered_method=True)
+        self.CommitOffset = channel.unary_unary(
+                '/leveret.internal.v1.Node/CommitOffset',
+                request_serializer=core_dot_grpc__api_dot_internal__pb2.GroupOffset.SerializeToString,
+                response_deserializer=core_dot_grpc__api_dot_internal__pb2.CommitResult.FromString,
+                _registered_method=True)
 
 
 class NodeServicer:
@@ -83,6 +88,13 @@ class NodeServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def CommitOffset(self, request, context):
+        """A consumer group's offset in a stream the peer owns, committed in its store.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_NodeServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -105,6 +117,11 @@ def add_NodeServicer_to_server(servicer, server):
                     servicer.Stats,
                     request_deserializer=core_dot_grpc__api_dot_internal__pb2.QueueRef.FromString,
                     response_serializer=core_dot_grpc__api_dot_internal__pb2.QueueStats.SerializeToString,
+            ),
+            'CommitOffset': grpc.unary_unary_rpc_method_handler(
+                    servicer.CommitOffset,
+                    request_deserializer=core_dot_grpc__api_dot_internal__pb2.GroupOffset.FromString,
+                    response_serializer=core_dot_grpc__api_dot_internal__pb2.CommitResult.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -215,6 +232,33 @@ class Node:
             '/leveret.internal.v1.Node/Stats',
             core_dot_grpc__api_dot_internal__pb2.QueueRef.SerializeToString,
             core_dot_grpc__api_dot_internal__pb2.QueueStats.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def CommitOffset(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/leveret.internal.v1.Node/CommitOffset',
+            core_dot_grpc__api_dot_internal__pb2.GroupOffset.SerializeToString,
+            core_dot_grpc__api_dot_internal__pb2.CommitResult.FromString,
             options,
             channel_credentials,
             insecure,

@@ -445,6 +445,7 @@ class BrokerServicer(pb_grpc.BrokerServicer):
         persistent = req.persistent if req.HasField("persistent") else q.durable
         props, summary = message_properties(user, req.properties, persistent)
         message = Message("", req.topic, props, req.content, summary, self.broker.node_id)
+        message.id  # noqa: B018 - fixed now (ids are lazy): the reply names it, and a forward carries it
         offset = q.next_offset
         if not q.enqueue(message):
             raise ApiError(grpc.StatusCode.RESOURCE_EXHAUSTED, f"queue '{q.name}' is full (x-overflow)")

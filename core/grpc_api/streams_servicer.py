@@ -13,11 +13,18 @@ each stream (one active at a time, partition ``p`` active on member
 ``p mod n``), a stream where the group has a committed offset resumes after
 it, and offsets are committed by CommitOffset, or as messages are sent with
 ``auto_commit``.
+
+In a cluster any node serves all of it: a stream another node owns is
+written through forwarding (Publish answers after the owner committed; the
+offset is the owner's to give, so it is 0 there), read through a reader the
+owner runs for this subscription (core/stream_proxy.py), and a group's
+commit goes to the owner.
 """
 
 from __future__ import annotations
 
 import asyncio
+import functools
 import itertools
 from collections import deque
 from collections.abc import AsyncIterator
@@ -34,13 +41,15 @@ from core.grpc_api.servicer import (
     ApiError,
     BrokerServicer,
     _errors,
+    _resolve,
     decode_properties,
     message_properties,
 )
 from core.message import Message, QueuedMessage
-from core.queue import Consumer, Queue
+from core.queue import Consumer, Queue, QueueChannel
 from core.stream import StreamQueue, StreamReader
-from core.stream_args import FIRST, LAST, NEXT, OffsetSpec, parse_age
+from core.stream_args import FIRST, LAST, NEXT, OffsetSpec, parse_age, reader_arguments
+from core.stream_proxy import RemoteStreamReader
 from core.vhost import VirtualHost
 
 _SPECS: dict[int, OffsetSpec] = {int(pb.OFFSET_NEXT): NEXT, int(pb.OFFSET_FIRST): FIRST, int(pb.OFFSET_LAST): LAST}
@@ -70,9 +79,10 @@ class StreamSubscription:
         self.consumers: list[Consumer] = []
         self.wakeup = asyncio.Event()
         self.cancelled = False
+        self.moved = False  # a stream read through another node lost its owner or moved
         self.closed = False
 
-    def add(self, topic: str, reader: StreamReader, tag: str) -> None:
+    def add(self, topic: str, reader: StreamReader | RemoteStreamReader, tag: str) -> None:
         c = Consumer(tag, reader, self, no_ack=False, prefetch=self.prefetch)
         self.topics[id(c)] = topic
         self.consumers.append(c)
@@ -88,6 +98,8 @@ class StreamSubscription:
 
     def consumer_cancelled(self, consumer: Consumer) -> None:
         self.cancelled = True
+        if isinstance(consumer.channel, RemoteStreamReader) and not consumer.channel.queue.deleted:
+            self.moved = True
         self.wakeup.set()
 
     def dispatch(self) -> None:
@@ -116,10 +128,10 @@ class StreamSubscription:
     @staticmethod
     def sent(taken: list[tuple[Consumer, QueuedMessage]]) -> None:
         """A batch went out: its messages are settled (credit back; a group with auto_commit commits)."""
-        readers: dict[int, StreamReader] = {}
+        readers: dict[int, QueueChannel] = {}
         for c, qm in taken:
             c.channel.settle(qm, c)
-            readers[id(c.channel)] = c.channel  # type: ignore[assignment]
+            readers[id(c.channel)] = c.channel
         for r in readers.values():
             r.dispatch()
 
@@ -171,9 +183,14 @@ class StreamsServicer(pb_grpc.StreamsServicer):
             if exists and not request.exist_ok:
                 raise ApiError(grpc.StatusCode.ALREADY_EXISTS, f"'{name}' already exists in vhost '{vh.name}'")
             arguments = partition.stream_arguments(request.max_age or None, request.max_bytes or None)
-            if request.partitions:
+            cluster = self.api.broker.cluster
+            if request.partitions and cluster is not None:
+                await partition.create_in_cluster(cluster, vh, name, request.partitions, arguments)
+            elif request.partitions:
                 partition.create(vh, name, request.partitions, arguments)
             else:
+                if cluster is not None:
+                    await cluster.declare_queue(vh, name, None, True, False, False, arguments)
                 vh.declare_queue(name, None, durable=True, arguments=arguments)
                 self._stream(vh, name)  # an existing classic queue of that name is an error
             return self._info(vh, name)
@@ -188,7 +205,12 @@ class StreamsServicer(pb_grpc.StreamsServicer):
     async def DeleteStream(self, request: pb.DeleteStreamRequest, context: Any) -> pb.DeleteStreamResponse:
         async with _errors(context):
             _, vh = self.api._login(context)
-            return pb.DeleteStreamResponse(messages_dropped=partition.delete(vh, request.name))
+            cluster = self.api.broker.cluster
+            if cluster is not None:
+                dropped = await partition.delete_in_cluster(cluster, vh, request.name)
+            else:
+                dropped = partition.delete(vh, request.name)
+            return pb.DeleteStreamResponse(messages_dropped=dropped)
         raise AssertionError("unreachable")
 
     async def Publish(self, request: pb.PublishRequest, context: Any) -> pb.PublishResponse:
@@ -212,10 +234,19 @@ class StreamsServicer(pb_grpc.StreamsServicer):
             else:
                 q = self._stream(vh, topic)
                 message = Message("", request.key or topic, props, request.body, summary, node)
+            message.id  # noqa: B018 - fixed now (ids are lazy): the reply names it, and a forward carries it
             offset = q.next_offset
+            answer: asyncio.Future[bool] | None = None
             q.enqueue(message)
+            if q.remote is not None:
+                # Another node owns the stream: answer once it committed there.
+                answer = asyncio.get_running_loop().create_future()
+                q.remote.when_forwarded(functools.partial(_resolve, answer))
+                offset = 0
             if q.storage is not None:
                 await self.api._committed()
+            if answer is not None:
+                await self.api._owners_answered([answer])
             return pb.PublishResponse(id=message.id, stream=q.name, offset=offset)
         raise AssertionError("unreachable")
 
@@ -225,6 +256,18 @@ class StreamsServicer(pb_grpc.StreamsServicer):
             if not request.group:
                 raise ApiError(grpc.StatusCode.INVALID_ARGUMENT, "a group name is required")
             q = self._stream(vh, request.stream)
+            if q.remote is not None:
+                link = q.remote.link
+                if link is None or link.closed:
+                    raise ApiError(grpc.StatusCode.UNAVAILABLE,
+                                   f"the owner of stream '{q.name}' is being replaced; retry shortly")
+                try:
+                    await link.commit_offset(q.vhost, q.name, request.group, request.offset)
+                except grpc.aio.AioRpcError as exc:
+                    raise ApiError(grpc.StatusCode.UNAVAILABLE,
+                                   f"the owner of stream '{q.name}' did not commit the offset: {exc.details()}"
+                                   ) from exc
+                return pb.CommitOffsetResponse()
             q.set_committed(request.group, request.offset)
             if q.storage is not None:
                 await self.api._committed()
@@ -244,7 +287,17 @@ class StreamsServicer(pb_grpc.StreamsServicer):
                 for topic, value in sorted(request.offsets.items()):
                     spec = offset_spec(value, request.from_timestamp_ms)
                     for q in partition.resolve(vh, topic):
-                        reader = q.open_reader(spec, name=tag, group=group, commit_on_settle=request.auto_commit)
+                        reader: StreamReader | RemoteStreamReader
+                        if q.remote is not None:  # another node owns it: its reader runs there
+                            link = q.remote.link
+                            if link is None or link.closed:
+                                raise ApiError(grpc.StatusCode.UNAVAILABLE,
+                                               f"the owner of stream '{q.name}' is being replaced; retry shortly")
+                            reader = RemoteStreamReader(q, link, tag, reader_arguments(spec, group,
+                                                                                      request.auto_commit))
+                        else:
+                            reader = q.open_reader(spec, name=tag, group=group,
+                                                   commit_on_settle=request.auto_commit)
                         sub.add(topic, reader, tag)
             assert sub is not None
             await context.send_initial_metadata(())
@@ -259,6 +312,9 @@ class StreamsServicer(pb_grpc.StreamsServicer):
                 batch, taken = sub.take_batch()
                 yield batch
                 sub.sent(taken)
+            if sub.moved:
+                await context.abort(grpc.StatusCode.UNAVAILABLE, "a stream of this subscription moved to another "
+                                    "node or lost its owner; subscribe again to resume")
             await context.abort(grpc.StatusCode.NOT_FOUND, "a stream of this subscription was deleted")
         finally:
             if sub is not None:
