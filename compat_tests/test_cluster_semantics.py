@@ -394,6 +394,12 @@ def test_grpc_streams_through_any_node(cluster: Cluster) -> None:
             f"SELECT queue, \"offset\" FROM stream_offsets WHERE grp = 'geo-g' AND queue LIKE '{topic}-%%'"
         )
         assert dict(rows) == {s: o - 2 for s, o in last.items()}, rows
+        # Any node reports the owners' figures (offsets, sizes, commits), not its own empty copies.
+        info = clients[reader].get_stream(topic)
+        assert {p.stream: (p.first_offset, p.next_offset, p.messages, dict(p.committed)) for p in info.partitions} == {
+            s: (0, per_stream[s][-1] + 1, len(per_stream[s]), {"geo-g": last[s] - 2}) for s in per_stream
+        }
+        assert all(p.bytes > 0 for p in info.partitions)
         with clients[reader].subscribe({topic: FIRST}, group="geo-g") as sub:
             again = sub.take(3 * 2, timeout=10)
         assert sorted((m.stream, m.offset) for m in again) == sorted(

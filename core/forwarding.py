@@ -479,8 +479,12 @@ class PeerLink:
         await self.stub.CommitOffset(pb.GroupOffset(vhost=vhost, queue=queue, group=group, offset=offset), timeout=10)
 
     async def stats(self, vhost: str, queue: str) -> tuple[int, int]:
-        result = await self.stub.Stats(pb.QueueRef(vhost=vhost, queue=queue), timeout=10)
+        result = await self.stream_stats(vhost, queue)
         return int(result.messages), int(result.consumers)
+
+    async def stream_stats(self, vhost: str, queue: str) -> pb.QueueStats:
+        """The owner's figures of a queue (of a stream: its offsets, bytes and group commits too)."""
+        return await self.stub.Stats(pb.QueueRef(vhost=vhost, queue=queue), timeout=10)
 
     async def close(self) -> None:
         self.closed = True
@@ -989,4 +993,8 @@ class NodeService(pb_grpc.NodeServicer):
         if q is None:
             await context.abort(grpc.StatusCode.NOT_FOUND, "not the owner of this queue")
             raise AssertionError("unreachable")
-        return pb.QueueStats(messages=q.message_count, consumers=q.consumer_count)
+        stats = pb.QueueStats(messages=q.message_count, consumers=q.consumer_count)
+        if isinstance(q, StreamQueue):
+            stats.first_offset, stats.next_offset, stats.bytes = q.first_offset, q.next_offset, q.log_bytes
+            stats.committed.update(q.committed)
+        return stats

@@ -2,7 +2,7 @@ from google.protobuf.internal import containers as _containers
 from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
 from google.protobuf import descriptor as _descriptor
 from google.protobuf import message as _message
-from collections.abc import Iterable as _Iterable
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
 from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 
 DESCRIPTOR: _descriptor.FileDescriptor
@@ -124,9 +124,24 @@ class CommitResult(_message.Message):
     def __init__(self) -> None: ...
 
 class QueueStats(_message.Message):
-    __slots__ = ("messages", "consumers")
+    __slots__ = ("messages", "consumers", "first_offset", "next_offset", "bytes", "committed")
+    class CommittedEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: int
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[int] = ...) -> None: ...
     MESSAGES_FIELD_NUMBER: _ClassVar[int]
     CONSUMERS_FIELD_NUMBER: _ClassVar[int]
+    FIRST_OFFSET_FIELD_NUMBER: _ClassVar[int]
+    NEXT_OFFSET_FIELD_NUMBER: _ClassVar[int]
+    BYTES_FIELD_NUMBER: _ClassVar[int]
+    COMMITTED_FIELD_NUMBER: _ClassVar[int]
     messages: int
     consumers: int
-    def __init__(self, messages: _Optional[int] = ..., consumers: _Optional[int] = ...) -> None: ...
+    first_offset: int
+    next_offset: int
+    bytes: int
+    committed: _containers.ScalarMap[str, int]
+    def __init__(self, messages: _Optional[int] = ..., consumers: _Optional[int] = ..., first_offset: _Optional[int] = ..., next_offset: _Optional[int] = ..., bytes: _Optional[int] = ..., committed: _Optional[_Mapping[str, int]] = ...) -> None: ...

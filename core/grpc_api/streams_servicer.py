@@ -26,6 +26,7 @@ from __future__ import annotations
 import asyncio
 import functools
 import itertools
+import time
 from collections import deque
 from collections.abc import AsyncIterator
 from typing import Any
@@ -33,6 +34,7 @@ from typing import Any
 import grpc
 
 from core import partition, properties
+from core.forwarding import PeerLink
 from core.grpc_api import leveret_pb2 as pb
 from core.grpc_api import leveret_pb2_grpc as pb_grpc
 from core.grpc_api.servicer import (
@@ -147,6 +149,26 @@ class StreamSubscription:
         self.pending.clear()
 
 
+# How long a call waits for the owner of a stream to be known here (just declared, or a failover).
+OWNER_WAIT = 5.0
+
+
+async def _owner_link(q: StreamQueue) -> PeerLink | None:
+    """The link to the node that owns ``q``, or None when this node owns it."""
+    deadline = time.monotonic() + OWNER_WAIT
+    while True:
+        remote = q.remote
+        if remote is None:
+            return None
+        link = remote.link
+        if link is not None and not link.closed:
+            return link
+        if time.monotonic() > deadline or q.deleted:
+            raise ApiError(grpc.StatusCode.UNAVAILABLE, f"the owner of stream '{q.name}' is being replaced; "
+                                                       "retry shortly")
+        await asyncio.sleep(0.05)
+
+
 class StreamsServicer(pb_grpc.StreamsServicer):
     def __init__(self, api: BrokerServicer) -> None:
         self.api = api  # logins, the store-commit wait
@@ -162,9 +184,20 @@ class StreamsServicer(pb_grpc.StreamsServicer):
         return queues[0]
 
     @staticmethod
-    def _info(vh: VirtualHost, name: str) -> pb.StreamInfo:
+    async def _info(vh: VirtualHost, name: str) -> pb.StreamInfo:
         info = pb.StreamInfo(name=name, partitioned=partition.exchange_of(vh, name) is not None)
         for q in partition.resolve(vh, name):
+            link = await _owner_link(q)
+            if link is not None:  # another node owns it: its figures are there
+                try:
+                    s = await link.stream_stats(q.vhost, q.name)
+                except grpc.aio.AioRpcError as exc:
+                    raise ApiError(grpc.StatusCode.UNAVAILABLE,
+                                   f"the owner of stream '{q.name}' did not answer: {exc.details()}") from exc
+                p = info.partitions.add(stream=q.name, first_offset=s.first_offset, next_offset=s.next_offset,
+                                        messages=s.messages, bytes=s.bytes)
+                p.committed.update(s.committed)
+                continue
             p = info.partitions.add(stream=q.name, first_offset=q.first_offset, next_offset=q.next_offset,
                                     messages=q.message_count, bytes=q.log_bytes)
             p.committed.update(q.committed)
@@ -193,13 +226,13 @@ class StreamsServicer(pb_grpc.StreamsServicer):
                     await cluster.declare_queue(vh, name, None, True, False, False, arguments)
                 vh.declare_queue(name, None, durable=True, arguments=arguments)
                 self._stream(vh, name)  # an existing classic queue of that name is an error
-            return self._info(vh, name)
+            return await self._info(vh, name)
         raise AssertionError("unreachable")
 
     async def GetStream(self, request: pb.GetStreamRequest, context: Any) -> pb.StreamInfo:
         async with _errors(context):
             _, vh = self.api._login(context)
-            return self._info(vh, request.name)
+            return await self._info(vh, request.name)
         raise AssertionError("unreachable")
 
     async def DeleteStream(self, request: pb.DeleteStreamRequest, context: Any) -> pb.DeleteStreamResponse:
@@ -256,11 +289,8 @@ class StreamsServicer(pb_grpc.StreamsServicer):
             if not request.group:
                 raise ApiError(grpc.StatusCode.INVALID_ARGUMENT, "a group name is required")
             q = self._stream(vh, request.stream)
-            if q.remote is not None:
-                link = q.remote.link
-                if link is None or link.closed:
-                    raise ApiError(grpc.StatusCode.UNAVAILABLE,
-                                   f"the owner of stream '{q.name}' is being replaced; retry shortly")
+            link = await _owner_link(q)
+            if link is not None:
                 try:
                     await link.commit_offset(q.vhost, q.name, request.group, request.offset)
                 except grpc.aio.AioRpcError as exc:
@@ -288,11 +318,8 @@ class StreamsServicer(pb_grpc.StreamsServicer):
                     spec = offset_spec(value, request.from_timestamp_ms)
                     for q in partition.resolve(vh, topic):
                         reader: StreamReader | RemoteStreamReader
-                        if q.remote is not None:  # another node owns it: its reader runs there
-                            link = q.remote.link
-                            if link is None or link.closed:
-                                raise ApiError(grpc.StatusCode.UNAVAILABLE,
-                                               f"the owner of stream '{q.name}' is being replaced; retry shortly")
+                        link = await _owner_link(q)
+                        if link is not None:  # another node owns it: its reader runs there
                             reader = RemoteStreamReader(q, link, tag, reader_arguments(spec, group,
                                                                                       request.auto_commit))
                         else:
