@@ -976,14 +976,7 @@ class NodeService(pb_grpc.NodeServicer):
         q.set_committed(request.group, request.offset)
         committer = self.broker.committer
         if q.storage is not None and committer is not None:
-            done: asyncio.Future[BaseException | None] = asyncio.get_running_loop().create_future()
-
-            def committed(error: BaseException | None) -> None:
-                if not done.done():
-                    done.set_result(error)
-
-            committer.when_committed(committed)
-            error = await done
+            error = await committer.committed()
             if error is not None:
                 await context.abort(grpc.StatusCode.UNAVAILABLE, f"the store did not commit the offset: {error}")
         return pb.CommitResult()

@@ -118,6 +118,17 @@ class GroupCommitter:
         else:
             done(None)
 
+    async def committed(self) -> BaseException | None:
+        """Wait until everything added so far is committed; the error if that failed."""
+        fut: asyncio.Future[BaseException | None] = asyncio.get_running_loop().create_future()
+
+        def done(error: BaseException | None) -> None:
+            if not fut.done():
+                fut.set_result(error)
+
+        self.when_committed(done)
+        return await fut
+
     def run(self, op: Callable[[], Awaitable[None]]) -> None:
         """A topology change, ordered after everything added so far."""
         self._items.append(op)

@@ -105,14 +105,7 @@ class RetentionWatch:
         committer = self.broker.committer
         if committer is None:
             return True
-        fut: asyncio.Future[BaseException | None] = asyncio.get_running_loop().create_future()
-
-        def done(error: BaseException | None) -> None:
-            if not fut.done():
-                fut.set_result(error)
-
-        committer.when_committed(done)
-        error = await fut
+        error = await committer.committed()
         if error is not None:
             log.warning("retention removal not committed; retrying", extra={"error": str(error)})
         return error is None

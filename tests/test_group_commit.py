@@ -57,3 +57,19 @@ async def test_batch_of_only_cancelled_appends_still_confirms(tmp_path: Path) ->
         assert await store.load_messages("/", "q") == []
     finally:
         await store.close()
+
+
+async def test_committed_waits_for_the_commit_and_reports_a_fence(tmp_path: Path) -> None:
+    store, committer, storage = await _setup(tmp_path)
+    try:
+        storage.append(_qm(0))
+        assert await committer.committed() is None
+        assert [m.offset for m in await store.load_messages("/", "q")] == [0]
+        assert await committer.committed() is None  # nothing pending: at once
+        await store.claim("/", "q", storage.epoch + 1)  # another owner now: our next write is refused
+        storage.append(_qm(1))
+        error = await committer.committed()
+        assert error is not None
+        assert [m.offset for m in await store.load_messages("/", "q")] == [0]
+    finally:
+        await store.close()

@@ -466,14 +466,7 @@ class BrokerServicer(pb_grpc.BrokerServicer):
     async def _committed(self) -> None:
         committer = self.broker.committer
         assert committer is not None
-        done: asyncio.Future[BaseException | None] = asyncio.get_running_loop().create_future()
-
-        def committed(error: BaseException | None) -> None:
-            if not done.done():
-                done.set_result(error)
-
-        committer.when_committed(committed)
-        error = await done
+        error = await committer.committed()
         if error is not None:
             raise ApiError(grpc.StatusCode.UNAVAILABLE, f"the store did not commit the message: {error}")
 
