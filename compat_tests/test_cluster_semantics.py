@@ -137,6 +137,31 @@ def test_auto_delete_queue_stays_while_the_owner_has_consumers(cluster: Cluster)
         conn2.close()
 
 
+def test_auto_delete_exchange_goes_cluster_wide_with_its_last_binding(cluster: Cluster) -> None:
+    conn1, ch1 = _channel(cluster, "n1")
+    conn2, ch2 = _channel(cluster, "n2")
+    try:
+        ch1.exchange_declare("sem.autox", "direct", durable=True, auto_delete=True)
+        ch1.queue_declare("sem.autox.q", durable=True)
+        ch1.queue_bind("sem.autox.q", "sem.autox", "k")
+        assert [kv.key for kv in cluster.etcd_keys("meta/exchanges/%2F/sem.autox")]
+        ch2.queue_unbind("sem.autox.q", "sem.autox", "k")  # the last binding, through another node
+        deadline = time.monotonic() + 10
+        while cluster.etcd_keys("meta/exchanges/%2F/sem.autox") and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert not cluster.etcd_keys("meta/exchanges/%2F/sem.autox"), "auto-delete exchange still in etcd"
+        for ch in (ch1, ch2):
+            with pytest.raises(pika.exceptions.ChannelClosedByBroker) as info:
+                ch.exchange_declare("sem.autox", "direct", passive=True)
+            assert info.value.reply_code == 404
+        ch3 = conn1.channel()
+        ch3.queue_delete("sem.autox.q")
+    finally:
+        for c in (conn1, conn2):
+            if c.is_open:
+                c.close()
+
+
 def test_exclusive_queue_is_locked_to_its_connection_on_every_node(cluster: Cluster) -> None:
     conn1, ch1 = _channel(cluster, "n1")
     conn2, ch2 = _channel(cluster, "n2")

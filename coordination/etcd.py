@@ -200,6 +200,7 @@ class EtcdCluster:
         self.broker.reply_to.remote = self._forward_reply
         for vh in self.broker.vhosts.values():
             vh.on_queue_deleted.append(self._local_queue_deleted)
+            vh.on_exchange_auto_deleted.append(self._local_exchange_auto_deleted)
         await self._register()
         await self._seed_defaults()
         await self._resync()
@@ -445,6 +446,7 @@ class EtcdCluster:
         if vh is None:
             vh = self.broker.add_vhost(name)
             vh.on_queue_deleted.append(self._local_queue_deleted)
+            vh.on_exchange_auto_deleted.append(self._local_exchange_auto_deleted)
         return vh
 
     def _user_put(self, name: str, value: dict[str, Any]) -> None:
@@ -1070,6 +1072,31 @@ class EtcdCluster:
             with contextlib.suppress(Exception):
                 await self._txn([], [t.delete(self.keys.queue(*vq)), t.delete(self.keys.owner(*vq))])
                 await self._delete_bindings_to(vq[0], "queue", vq[1])
+
+        asyncio.get_running_loop().create_task(remove())
+
+    def _local_exchange_auto_deleted(self, vh: VirtualHost, x: Exchange) -> None:
+        """An auto-delete exchange lost its last binding here: remove it from etcd too.
+
+        Every node drops it from its own tables when it applies the unbind
+        (or the deletion of the bound queue), and every node then removes the
+        key, so a restarted or joining node does not bring the exchange back.
+        The removal only applies to the exchange as this node knew it: one
+        declared again since (a higher create revision than anything this
+        node has seen) is left alone. A bind racing the removal on another
+        node may get a 404, as in RabbitMQ.
+        """
+        if self._stopping:
+            return
+        vhost, name, seen = vh.name, x.name, self.revision
+
+        async def remove() -> None:
+            t = self.client.transactions
+            key = self.keys.exchange(vhost, name)
+            with contextlib.suppress(Exception):
+                ok, _ = await self._txn([t.create(key) < seen + 1] if seen else [], [t.delete(key)])
+                if ok:
+                    await self._delete_bindings_to(vhost, "exchange", name)
 
         asyncio.get_running_loop().create_task(remove())
 

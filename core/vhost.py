@@ -60,6 +60,8 @@ class VirtualHost:
         self.on_queue_deleted: list[Callable[[Queue], None]] = []
         # Observers of queue creation (the native API's cluster watch).
         self.on_queue_declared: list[Callable[[Queue], None]] = []
+        # Observers of an auto-delete exchange dropped because its last binding went (the cluster).
+        self.on_exchange_auto_deleted: list[Callable[[VirtualHost, Exchange], None]] = []
         for xname, xtype in STANDARD_EXCHANGES:
             self.exchanges[xname] = make_exchange(xtype, xname, durable=True)
 
@@ -331,6 +333,8 @@ class VirtualHost:
             self.durability.binding_changed(self, b, added=False)
         if x.auto_delete and not x.bindings and not x.deleted:
             self._drop_exchange(x)
+            for observer in list(self.on_exchange_auto_deleted):
+                observer(self, x)
 
     # -- dead-lettering --------------------------------------------------------
     def _dead_letter(self, queue: Queue, messages: list[QueuedMessage], reason: str) -> None:
