@@ -8,6 +8,7 @@ exclusive queues, stream consumers and consumer groups.
 
 from __future__ import annotations
 
+import subprocess
 import time
 from collections.abc import Iterator
 from typing import Any
@@ -17,6 +18,7 @@ import pytest
 from pika.adapters.blocking_connection import BlockingChannel
 
 from compat_tests.cluster_process import Cluster
+from compat_tests.node_process import REPO_ROOT, _python, node_env
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -433,6 +435,42 @@ def test_grpc_streams_through_any_node(cluster: Cluster) -> None:
     finally:
         for c in clients.values():
             c.close()
+
+
+def test_users_changed_through_the_cli_apply_on_every_running_node(cluster: Cluster) -> None:
+    def leveret(*args: str) -> None:
+        done = subprocess.run(
+            [_python(), "-m", "leveret", *args, "--store", "postgres", "--postgres-dsn", cluster.dsn,
+             "--etcd", cluster.etcd.url, "--cluster", cluster.name],
+            cwd=REPO_ROOT, env=node_env(), capture_output=True, text=True, timeout=60,
+        )  # fmt: skip
+        assert done.returncode == 0, done.stderr
+
+    def login(node: str, password: str) -> int:
+        params = pika.ConnectionParameters("127.0.0.1", cluster[node].amqp_port, "/",
+                                           pika.PlainCredentials("sem-alice", password))
+        try:
+            pika.BlockingConnection(params).close()
+            return 200
+        except pika.exceptions.ProbableAuthenticationError:
+            return 403
+
+    def eventually(node: str, password: str, code: int) -> None:
+        deadline = time.monotonic() + 10
+        while login(node, password) != code:
+            assert time.monotonic() < deadline, f"{node}: login with {password!r} never gave {code}"
+            time.sleep(0.2)
+
+    leveret("users", "add", "sem-alice", "--password", "one", "--vhost", "/")
+    for node in ("n1", "n2", "n3"):
+        eventually(node, "one", 200)
+    leveret("users", "add", "sem-alice", "--password", "two", "--vhost", "/")  # a new password, live
+    for node in ("n1", "n2", "n3"):
+        eventually(node, "two", 200)
+        assert login(node, "one") == 403
+    leveret("users", "delete", "sem-alice")
+    for node in ("n1", "n2", "n3"):
+        eventually(node, "two", 403)
 
 
 def test_status_events_report_a_lost_node_and_its_moved_queues(cluster: Cluster) -> None:

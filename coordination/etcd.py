@@ -33,7 +33,7 @@ from typing import Any
 import aetcd
 import grpc
 
-from coordination.keys import Layout, decode_args, dumps, encode_args, loads
+from coordination.keys import Layout, decode_args, dumps, encode_args, loads, user_value
 from core import direct_reply
 from core.broker import Broker, User
 from core.cluster import ClusterStartError
@@ -238,7 +238,7 @@ class EtcdCluster:
             await self._txn([t.create(key) == 0], [t.put(key, dumps({}))])
         for user in list(self.broker.users.values()):
             key = self.keys.user(user.name)
-            await self._txn([t.create(key) == 0], [t.put(key, _user_value(user))])
+            await self._txn([t.create(key) == 0], [t.put(key, user_value(user))])
 
     async def stop(self, handover: bool = True) -> None:
         self._stopping = True
@@ -1190,11 +1190,6 @@ def _first_value(responses: Any) -> dict[str, Any] | None:
             value, _meta = r[0]
             return loads(value)
     return None
-
-
-def _user_value(user: User) -> bytes:
-    return dumps({"salt": user.salt.hex(), "hash": user.password_hash.hex(), "tags": list(user.tags),
-                  "vhosts": sorted(user.vhosts), "loopback_only": user.loopback_only})
 
 
 _SECTION_ORDER = {"nodes": 0, "vhosts": 1, "users": 2, "exchanges": 3, "queues": 4, "owners": 5, "bindings": 6,

@@ -45,6 +45,12 @@ def dumps(value: dict[str, Any]) -> bytes:
     return json.dumps(value, sort_keys=True, separators=(",", ":")).encode()
 
 
+def user_value(user: Any) -> bytes:
+    """A user's record under meta/users/ (a core.broker.User: salted hash, never the password)."""
+    return dumps({"salt": user.salt.hex(), "hash": user.password_hash.hex(), "tags": list(user.tags),
+                  "vhosts": sorted(user.vhosts), "loopback_only": user.loopback_only})
+
+
 def loads(raw: bytes) -> dict[str, Any]:
     value = json.loads(raw) if raw else {}
     return value if isinstance(value, dict) else {}

@@ -1,7 +1,11 @@
 """``leveret users ...`` and ``leveret vhosts ...``: durable users and vhosts, written through the store.
 
-A node reads them at start (core.durability), so a running node picks up a
-change when it restarts. Every command takes the store options of ``serve``.
+A single node reads them at start (core.durability), so it picks up a change
+when it restarts. In a cluster (``--etcd``, as for ``serve``) the change is
+written to etcd too, where every running node applies it at once (a user
+added, replaced or deleted; a vhost added); nodes only seed etcd with what
+it lacks, so without ``--etcd`` a cluster would keep the old record. Every
+command takes the store options of ``serve``.
 """
 
 from __future__ import annotations
@@ -20,6 +24,8 @@ def _store_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--data-dir", default=None, help="directory of the embedded store (sqlite)")
     parser.add_argument("--store", default=None, choices=["sqlite", "postgres"], help="message store")
     parser.add_argument("--postgres-dsn", default=None, help="Postgres connection string for --store postgres")
+    parser.add_argument("--etcd", default=None, help="cluster mode: etcd endpoints, to apply it on running nodes")
+    parser.add_argument("--cluster", default=None, help="cluster name (default leveret)")
 
 
 def add_parsers(sub: Any) -> None:
@@ -53,17 +59,25 @@ def add_parsers(sub: Any) -> None:
         _store_arguments(p)
 
 
-async def _users(args: argparse.Namespace, store: Any) -> int:
+async def _users(args: argparse.Namespace, store: Any, cluster: _Cluster | None) -> int:
     from core.broker import User
     from core.store import UserRecord
 
     if args.users_command == "add":
-        u = User.create(args.name, args.password)
+        u = User.create(args.name, args.password, tags=tuple(sorted(set(args.tags))), vhosts=set(args.vhosts),
+                        loopback_only=args.loopback_only)
         await store.save_user(UserRecord(args.name, u.salt, u.password_hash, sorted(set(args.tags)),
                                          sorted(set(args.vhosts)), args.loopback_only))  # fmt: skip
+        if cluster is not None:
+            from coordination.keys import user_value
+
+            await cluster.put(cluster.layout.user(args.name), user_value(u))
         print(f"user {args.name} saved")
     elif args.users_command == "delete":
-        if not await store.delete_user(args.name):
+        found = await store.delete_user(args.name)
+        if cluster is not None:
+            found = await cluster.delete(cluster.layout.user(args.name)) or found
+        if not found:
             print(f"leveret users: no user named {args.name!r}", file=sys.stderr)
             return 1
         print(f"user {args.name} deleted")
@@ -78,12 +92,17 @@ async def _users(args: argparse.Namespace, store: Any) -> int:
     return 0
 
 
-async def _vhosts(args: argparse.Namespace, store: Any) -> int:
+async def _vhosts(args: argparse.Namespace, store: Any, cluster: _Cluster | None) -> int:
     if args.vhosts_command == "add":
         await store.save_vhost(args.name)
+        if cluster is not None:
+            await cluster.put(cluster.layout.vhost(args.name), b"{}")
         print(f"vhost {args.name} saved")
     elif args.vhosts_command == "delete":
-        if not await store.delete_vhost(args.name):
+        found = await store.delete_vhost(args.name)
+        if cluster is not None:  # running nodes drop it when they restart
+            found = await cluster.delete(cluster.layout.vhost(args.name)) or found
+        if not found:
             print(f"leveret vhosts: no vhost named {args.name!r}", file=sys.stderr)
             return 1
         print(f"vhost {args.name} deleted")
@@ -91,6 +110,22 @@ async def _vhosts(args: argparse.Namespace, store: Any) -> int:
         names = await store.load_vhosts()
         print(json.dumps(names) if args.json else "\n".join(names))
     return 0
+
+
+class _Cluster:
+    """The cluster's etcd, for the records every running node mirrors."""
+
+    def __init__(self, client: Any, name: str) -> None:
+        from coordination.keys import Layout
+
+        self.client = client
+        self.layout = Layout(name)
+
+    async def put(self, key: bytes, value: bytes) -> None:
+        await asyncio.wait_for(self.client.put(key, value), 10)
+
+    async def delete(self, key: bytes) -> bool:
+        return bool(await asyncio.wait_for(self.client.delete(key), 10))
 
 
 def main(args: argparse.Namespace) -> int:
@@ -101,7 +136,8 @@ def main(args: argparse.Namespace) -> int:
         return 2
     try:
         config = load(args.config, {"data_dir": args.data_dir, "store": args.store,
-                                    "postgres_dsn": args.postgres_dsn})  # fmt: skip
+                                    "postgres_dsn": args.postgres_dsn, "etcd": getattr(args, "etcd", None),
+                                    "cluster": getattr(args, "cluster", None)})  # fmt: skip
     except ConfigError as exc:
         print(f"leveret {group}: {exc}", file=sys.stderr)
         return 2
@@ -111,9 +147,17 @@ def main(args: argparse.Namespace) -> int:
     async def go() -> int:
         store = make_store(config)
         await store.open()
+        cluster: _Cluster | None = None
         try:
-            return await (_users(args, store) if group == "users" else _vhosts(args, store))
+            if config.etcd and action != "list":
+                from leveret.cluster_cli import _client
+
+                endpoints = [e.strip() for e in config.etcd.split(",") if e.strip()]
+                cluster = _Cluster(await _client(endpoints), config.cluster)
+            return await (_users(args, store, cluster) if group == "users" else _vhosts(args, store, cluster))
         finally:
+            if cluster is not None:
+                await cluster.client.close()
             await store.close()
 
     try:
