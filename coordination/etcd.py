@@ -44,7 +44,7 @@ from core.forwarding import LoadingGate, NodeService, NotOwner, Peers, QueueRemo
 from core.group_commit import GroupCommitter
 from core.message import Message, QueuedMessage
 from core.queue import Queue
-from core.store import Fenced, MessageStore, StoreError
+from core.store import Fenced, MessageStore, QueueRecord, StoreError
 from core.stream import StreamQueue
 from core.vhost import VirtualHost
 
@@ -623,6 +623,9 @@ class EtcdCluster:
             if q.durable and not q.exclusive:
                 # Fence first, then load: a write from a previous owner can no longer land.
                 await self.store.claim(vq[0], vq[1], epoch)
+                # The store describes what it holds (the retention job reads each queue's
+                # arguments there); the declarations themselves live in etcd.
+                await self.store.save_queue(QueueRecord(vq[0], vq[1], q.auto_delete, q.arguments))
                 for ch in q.channels:
                     ch.ready.clear()
                     ch.ready_bytes = 0

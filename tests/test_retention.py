@@ -564,3 +564,44 @@ def test_scheduled_runs_one_at_a_time_under_the_lease(tmp_path: Path) -> None:
     finally:
         node.stop()
         backend.close()
+
+
+@needs_java
+@pytest.mark.timeout(180)
+def test_cluster_queue_arguments_apply(spark: Any) -> None:
+    """In a cluster the declarations live in etcd; the owner records each queue's arguments in the store
+    too, so the job applies them to queues declared through another node, and the live owner drops what
+    the job removed."""
+    import pika
+
+    from compat_tests.cluster_process import Cluster
+
+    ttl_30d = {"x-message-ttl": 30 * 86400 * 1000}  # the job runs at NOW, ~50 days from today
+    with Cluster(2) as cluster:
+        conn = pika.BlockingConnection(pika.URLParameters(cluster.url("n1")))
+        ch = conn.channel()
+        ch.queue_declare("ret.ttl", durable=True, arguments=ttl_30d)
+        ch.queue_declare("ret.keep", durable=True)
+        conn.close()
+        owners = {q: cluster.wait_owner(q, timeout=10) for q in ("ret.ttl", "ret.keep")}
+        other = "n2" if owners["ret.ttl"] == "n1" else "n1"
+        conn = pika.BlockingConnection(pika.URLParameters(cluster.url(other)))
+        ch = conn.channel()
+        ch.confirm_delivery()
+        for q in ("ret.ttl", "ret.keep"):
+            for i in range(20):
+                ch.basic_publish("", q, f"m{i}".encode(), pika.BasicProperties(delivery_mode=2))
+        backend = Backend("postgres", dsn=cluster.dsn)
+        backend.connect()
+        try:
+            assert backend.queues()[("/", "ret.ttl")] == ttl_30d
+            report = run_job(backend, spark, apply_timeout=20)
+        finally:
+            backend.close()
+        by_queue = {q["queue"]: q for q in report["queues"]}
+        assert by_queue["ret.ttl"]["deleted_messages"] == 20 and not by_queue["ret.ttl"]["pending"], by_queue
+        assert by_queue["ret.keep"]["deleted_messages"] == 0, by_queue
+        counts = {q: ch.queue_declare(q, passive=True).method.message_count for q in ("ret.ttl", "ret.keep")}
+        assert counts == {"ret.ttl": 0, "ret.keep": 20}, counts
+        assert ch.basic_get("ret.ttl", auto_ack=True)[0] is None
+        conn.close()
