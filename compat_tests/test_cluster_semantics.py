@@ -473,6 +473,38 @@ def test_users_changed_through_the_cli_apply_on_every_running_node(cluster: Clus
         eventually(node, "two", 403)
 
 
+def test_native_api_default_channel_on_any_node_extra_channels_on_the_owner(cluster: Cluster) -> None:
+    """The native gRPC API on a cluster: push and subscribe to a queue's default channel through any node
+    (the ids are the ones the push returned); an extra (topic) channel is refused on a non-owner with a
+    text naming the owner, and works on the owner."""
+    from leveret.client import Client, LeveretError
+
+    clients = {n: Client(f"127.0.0.1:{cluster[n].grpc_port}") for n in ("n1", "n2", "n3")}
+    try:
+        clients["n1"].create_queue("sem.native", durable=True)
+        owner = cluster.wait_owner("sem.native", timeout=10)
+        assert owner is not None
+        pusher, reader = (n for n in ("n1", "n2", "n3") if n != owner)
+        ids = [clients[pusher].push("sem.native", f"p{i}".encode(), topic="t.a") for i in range(5)]
+        with clients[reader].subscribe("sem.native/") as sub:
+            got = [sub.get(5.0) for _ in range(5)]
+            assert all(m is not None for m in got)
+            assert [m.id for m in got] == ids and [m.content for m in got] == [f"p{i}".encode() for i in range(5)]
+            clients[reader].ack(got)
+        with pytest.raises(LeveretError) as info:
+            clients[reader].create_channel("sem.native", topic="t.*", kind="pattern")
+        assert "FAILED_PRECONDITION" in str(info.value) and owner in str(info.value), info.value
+        channel = clients[owner].create_channel("sem.native", topic="t.*", kind="pattern")
+        with clients[owner].subscribe(channel) as sub:
+            clients[pusher].push("sem.native", b"filtered", topic="t.b")
+            m = sub.get(5.0)
+            assert m is not None and m.content == b"filtered"
+            clients[owner].ack(m)
+    finally:
+        for c in clients.values():
+            c.close()
+
+
 def test_status_events_report_a_lost_node_and_its_moved_queues(cluster: Cluster) -> None:
     """Runs last in this module: it kills a node."""
     from leveret.client import Client

@@ -337,6 +337,15 @@ class BrokerServicer(pb_grpc.BrokerServicer):
         raise ApiError(grpc.StatusCode.NOT_FOUND, f"no channel '{name}' on queue '{queue}' in vhost '{vh.name}'")
 
     @staticmethod
+    def _owned_here(q: Queue, what: str) -> None:
+        """Extra channels are the owner's (publishes are filtered there); the default channel works anywhere."""
+        if q.remote is not None:
+            owner = q.remote.owner or "(being replaced)"
+            raise ApiError(grpc.StatusCode.FAILED_PRECONDITION,
+                           f"queue '{q.name}' is owned by node {owner}: in a cluster, {what} on the owner "
+                           "(`leveret cluster status` names it); the default channel is served by any node")
+
+    @staticmethod
     def _not_stream(q: Queue) -> Queue:
         if isinstance(q, StreamQueue):
             raise ApiError(grpc.StatusCode.FAILED_PRECONDITION,
@@ -411,6 +420,7 @@ class BrokerServicer(pb_grpc.BrokerServicer):
                 raise ApiError(grpc.StatusCode.INVALID_ARGUMENT, "a channel name cannot contain '/'")
             if any(ch.name == name for ch in q.channels):
                 raise ApiError(grpc.StatusCode.ALREADY_EXISTS, f"channel '{name}' already exists on '{q.name}'")
+            self._owned_here(q, "create channels other than the default one")
             kind, accepts = make_filter(request.kind, request.topic)
             ch = q.add_channel(name, accepts)
             ch.grpc_filter = (kind, request.topic)  # type: ignore[attr-defined]
@@ -515,6 +525,8 @@ class BrokerServicer(pb_grpc.BrokerServicer):
             async with _errors(context):
                 _, vh = self._login(context)
                 qch = self._channel(vh, request.channel_id)
+                if qch is not qch.queue.default:
+                    self._owned_here(qch.queue, "subscribe to channels other than the default one")
                 sub = Subscription(
                     self, qch, request.prefetch or DEFAULT_PREFETCH, request.auto_ack,
                     request.max_batch or DEFAULT_BATCH,
