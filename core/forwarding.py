@@ -753,9 +753,7 @@ class QueueRemote:
         if link is not self.link or sub != self.sub:
             link.requeue([qm.remote_id for qm in messages])
             return
-        push = self.queue.default.push
-        for qm in messages:
-            push(qm)
+        self.queue.default.push_many(messages)
 
     def subscription_cancelled(self, link: PeerLink, sub: int, reason: str) -> None:
         if link is self.link and sub == self.sub:
@@ -1003,16 +1001,10 @@ class NodeService(pb_grpc.NodeServicer):
             if q is None or q.remote is not None or q.deleted:
                 accepted += [False] * len(messages)
                 continue
-            enqueue = q.enqueue
-            if q.storage is None:
-                for message in messages:
-                    accepted.append(enqueue(message))
-                continue
-            for message in messages:
-                ok = enqueue(message)
-                accepted.append(ok)
-                if ok and message.summary.delivery_mode == 2:
-                    stored = True
+            oks = q.enqueue_many(messages)
+            accepted += oks
+            if q.storage is not None and not stored:
+                stored = any(ok and m.summary.delivery_mode == 2 for ok, m in zip(oks, messages, strict=True))
         result = pb.ForwardResult(seq=batch.seq, accepted=accepted)
         committer = self.broker.committer
         if stored and committer is not None:
