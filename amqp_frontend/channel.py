@@ -73,6 +73,8 @@ class Channel:
         self.prefetch_global = 0
         self.last_queue: str | None = None
         self._consumer_tag_raw: dict[str, bytes] = {}
+        # The last exchange and routing key delivered here, and their shortstrs.
+        self._last_route: tuple[str, str, bytes] = ("", "", b"\x00\x00")
         # Transactions (tx.select): None, or what waits for tx.commit.
         self.tx: Transaction | None = None
         self._tx_join: _Join | None = None  # while tx.commit replays its publishes
@@ -121,7 +123,16 @@ class Channel:
         frame_max = self.conn.frame_max
         if cache is not None and cache[0] == number and cache[1] == frame_max:
             return cache[2], cache[3]
-        route_raw = cache[2] if cache is not None else codec.shortstr(m.exchange) + codec.shortstr(m.routing_key)
+        if cache is not None:
+            route_raw = cache[2]
+        else:
+            # Messages that arrived together share their name objects (a batch
+            # from a queue's owner node: core/forwarding.py), so most need no
+            # encoding of their own; names are immutable, so `is` is enough.
+            ex, rk, route_raw = self._last_route
+            if m.routing_key is not rk or m.exchange is not ex:
+                route_raw = codec.shortstr(m.exchange) + codec.shortstr(m.routing_key)
+                self._last_route = (m.exchange, m.routing_key, route_raw)
         content = b"".join(codec.content_frames(number, m.props, m.body, frame_max))
         m.wire_cache = (number, frame_max, route_raw, content)
         return route_raw, content

@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 import grpc
 
-from core import direct_reply
+from core import direct_reply, properties
 from core.errors import BrokerError, NotFound
 from core.fieldtable import decode_table
 from core.grpc_api import internal_pb2 as pb
@@ -45,8 +45,14 @@ Forwarded = Callable[[bool], None]  # True: the owner accepted (and committed) t
 
 # A proxied subscription never asks the owner for more than this many
 # unacked messages, whatever the local prefetch (0 = unlimited) says.
-MAX_WINDOW = 4000
-READ_AHEAD = 2
+MAX_WINDOW = 8000
+# A throughput consumer's window on the owner is this many times its
+# prefetch. The window must cover the round trip owner -> this node ->
+# client ack -> owner, which is long because each hop waits for a busy event
+# loop (a 256 KiB read of publishes is ~10 ms of work): measured 42 ms at
+# 48k msg/s, so 2 x 1000 capped the bench's forwarding scenario there with
+# the forwarding node 70-80 % busy; with 4 x it is CPU-bound (85-95 %).
+READ_AHEAD = 4
 READ_AHEAD_FROM = 100
 NO_LIMIT_WINDOW = 1000
 # Publishes forwarded and not answered yet, per peer: past this the node
@@ -78,8 +84,16 @@ class ProxiedMessage(QueuedMessage):
 
     __slots__ = ("link", "remote_id", "reject", "sub")
 
-    def __init__(self, message: Message, offset: int, link: PeerLink, remote_id: int, sub: int) -> None:
-        super().__init__(message, offset)
+    def __init__(self, message: Message, offset: int, link: PeerLink, remote_id: int, sub: int,
+                 redelivered: bool = False, delivery_count: int = 0) -> None:
+        # QueuedMessage's fields set here rather than through its __init__: one
+        # call less per proxied delivery (keep in step with QueuedMessage).
+        self.message = message
+        self.offset = offset
+        self.redelivered = bool(redelivered)
+        self.delivery_count = delivery_count
+        self.expires_at = None
+        self.persisted = False
         self.link = link
         self.remote_id = remote_id
         self.reject = False
@@ -88,89 +102,195 @@ class ProxiedMessage(QueuedMessage):
 
 # Packed records (the hot path; see the proto's `packed` fields). All names
 # are AMQP short strings (<= 255 bytes); message ids are our own (< 64 KiB).
-_FWD = struct.Struct(">BBBBIIHd")  # vhost, queue, exchange, routing key, props, body, id lengths; timestamp
-_DLV = struct.Struct(">QQBIdBBIIH")  # id, offset, redelivered, count, timestamp; lengths as above
+#
+# A record carries only what differs from the record before it in the same
+# batch: a batch is mostly one queue's messages from one exchange and routing
+# key with the same properties, so most records are a fixed head and a body.
+# Both nodes then skip the per-message encode, decode and property scan of
+# fields that repeat (py-spy: unpacking was 15 % of the forwarding node's time
+# and 24 % of the owner's, a third of it property scans and name decodes).
+# The first record of a batch carries every field.
+NEW_QUEUE = 1  # vhost and queue follow (forwarded publishes)
+NEW_ROUTE = 2  # exchange and routing key follow
+NEW_PROPS = 4  # the properties follow
+_FWD = struct.Struct(">BIHd")  # flags, body length, id length, timestamp
+_DLV = struct.Struct(">QQBIdBIH")  # id, offset, redelivered, count, timestamp, flags, body length, id length
+_DLV_FLAGS_AT = struct.calcsize(">QQBId")
+_NAMES = struct.Struct(">BB")
+_U32 = struct.Struct(">I")
 
 
-def pack_forwarded(parts: list[bytes], vhost: bytes, queue: bytes, m: Message) -> None:
-    ex = m.exchange.encode()
-    rk = m.routing_key.encode()
-    mid = m._id.encode() if m._id is not None else b""
-    parts.append(_FWD.pack(len(vhost), len(queue), len(ex), len(rk), len(m.props), len(m.body), len(mid),
-                           m.timestamp))
-    parts += (vhost, queue, ex, rk, m.props, m.body, mid)
+class _Packer:
+    """One batch of packed records being built, and the fields its last record had."""
+
+    __slots__ = ("parts", "_vhost", "_queue", "_exchange", "_routing_key", "_props")
+
+    def __init__(self) -> None:
+        self.parts: list[bytes] = []
+        self._vhost: bytes | None = None
+        self._queue: bytes | None = None
+        self._exchange: str | None = None
+        self._routing_key: str | None = None
+        self._props: bytes | None = None
+
+    def _changed(self, m: Message, flags: int) -> tuple[int, list[bytes]]:
+        """The flags and packed fields of what differs from the last record (rarely anything)."""
+        extra: list[bytes] = []
+        if m.exchange != self._exchange or m.routing_key != self._routing_key:
+            self._exchange, self._routing_key = m.exchange, m.routing_key
+            ex, rk = m.exchange.encode(), m.routing_key.encode()
+            extra += (_NAMES.pack(len(ex), len(rk)), ex, rk)
+            flags |= NEW_ROUTE
+        if m.props != self._props:
+            self._props = m.props
+            extra += (_U32.pack(len(m.props)), m.props)
+            flags |= NEW_PROPS
+        return flags, extra
+
+    def forwarded(self, vhost: bytes, queue: bytes, m: Message) -> None:
+        body = m.body
+        mid = m._id
+        if (queue is self._queue and vhost is self._vhost and m.props == self._props
+                and m.routing_key == self._routing_key and m.exchange == self._exchange):
+            if mid is None:
+                self.parts += (_FWD.pack(0, len(body), 0, m.timestamp), body)
+            else:
+                mid_b = mid.encode()
+                self.parts += (_FWD.pack(0, len(body), len(mid_b), m.timestamp), body, mid_b)
+            return
+        flags = 0
+        extra: list[bytes] = []
+        if queue is not self._queue or vhost is not self._vhost:
+            self._vhost, self._queue = vhost, queue
+            extra += (_NAMES.pack(len(vhost), len(queue)), vhost, queue)
+            flags = NEW_QUEUE
+        flags, more = self._changed(m, flags)
+        mid_b = mid.encode() if mid is not None else b""
+        self.parts.append(_FWD.pack(flags, len(body), len(mid_b), m.timestamp))
+        self.parts += extra
+        self.parts += more
+        self.parts += (body, mid_b)
+
+    def delivery(self, did: int, qm: QueuedMessage) -> None:
+        m = qm.message
+        body = m.body
+        # The owner fixes the id (it is made lazily): the proxy's consumers must see the id the owner
+        # stores, or a redelivery after a failover could not be told from a new message.
+        mid_b = m.id.encode()
+        if m.props == self._props and m.routing_key == self._routing_key and m.exchange == self._exchange:
+            self.parts += (_DLV.pack(did, qm.offset, qm.redelivered, qm.delivery_count, m.timestamp, 0,
+                                     len(body), len(mid_b)), body, mid_b)  # fmt: skip
+            return
+        flags, extra = self._changed(m, 0)
+        self.parts.append(_DLV.pack(did, qm.offset, qm.redelivered, qm.delivery_count, m.timestamp, flags,
+                                    len(body), len(mid_b)))  # fmt: skip
+        self.parts += extra
+        self.parts += (body, mid_b)
+
+    def take(self) -> bytes:
+        """The batch so far, packed; the next record starts a new batch."""
+        data = b"".join(self.parts)
+        self.parts = []
+        self._vhost = self._queue = self._props = None
+        self._exchange = self._routing_key = None
+        return data
 
 
-def unpack_forwarded(data: bytes, node: str) -> list[tuple[str, str, Message]]:
-    out = []
+def _malformed(what: str) -> ValueError:
+    return ValueError(f"malformed packed {what}: a batch must begin with a record carrying every field")
+
+
+def unpack_forwarded(data: bytes, node: str) -> list[tuple[str, str, list[Message]]]:
+    """The forwarded messages of a batch, as runs of messages to one (vhost, queue)."""
+    runs: list[tuple[str, str, list[Message]]] = []
+    if not data:
+        return runs
+    if data[0] != NEW_QUEUE | NEW_ROUTE | NEW_PROPS:
+        raise _malformed("forwards")
+    messages: list[Message] = []
+    exchange = rk = ""
+    props = b""
+    summary = None
     pos = 0
     end = len(data)
     unpack = _FWD.unpack_from
     size = _FWD.size
     while pos < end:
-        lv, lq, lx, lr, lp, lb, li, ts = unpack(data, pos)
+        flags, lb, li, ts = unpack(data, pos)
         pos += size
-        vhost = data[pos : pos + lv].decode()
-        pos += lv
-        queue = data[pos : pos + lq].decode()
-        pos += lq
-        exchange = data[pos : pos + lx].decode()
-        pos += lx
-        rk = data[pos : pos + lr].decode()
-        pos += lr
-        props = data[pos : pos + lp]
-        pos += lp
+        if flags:
+            if flags & NEW_QUEUE:
+                lv, lq = _NAMES.unpack_from(data, pos)
+                pos += 2
+                vhost = data[pos : pos + lv].decode()
+                pos += lv
+                queue = data[pos : pos + lq].decode()
+                pos += lq
+                messages = []
+                runs.append((vhost, queue, messages))
+            if flags & NEW_ROUTE:
+                lx, lr = _NAMES.unpack_from(data, pos)
+                pos += 2
+                exchange = data[pos : pos + lx].decode()
+                pos += lx
+                rk = data[pos : pos + lr].decode()
+                pos += lr
+            if flags & NEW_PROPS:
+                (lp,) = _U32.unpack_from(data, pos)
+                pos += 4
+                props = data[pos : pos + lp]
+                pos += lp
+                summary = properties.scan(props)
         body = data[pos : pos + lb]
         pos += lb
-        m = Message(exchange, rk, props, body, node=node)
+        m = Message(exchange, rk, props, body, summary, node, ts)
         if li:
-            m.id = data[pos : pos + li].decode()
+            m._id = data[pos : pos + li].decode()
             pos += li
-        m.timestamp = ts
-        out.append((vhost, queue, m))
-    return out
-
-
-def pack_delivery(parts: list[bytes], did: int, qm: QueuedMessage) -> None:
-    m = qm.message
-    ex = m.exchange.encode()
-    rk = m.routing_key.encode()
-    # The owner fixes the id (it is made lazily): the proxy's consumers must see the id the owner
-    # stores, or a redelivery after a failover could not be told from a new message.
-    mid = m.id.encode()
-    parts.append(_DLV.pack(did, qm.offset, qm.redelivered, qm.delivery_count, m.timestamp, len(ex), len(rk),
-                           len(m.props), len(m.body), len(mid)))
-    parts += (ex, rk, m.props, m.body, mid)
+        messages.append(m)
+    return runs
 
 
 def unpack_deliveries(data: bytes, link: PeerLink, sub: int) -> list[ProxiedMessage]:
     """The owner's packed deliveries as the messages this node holds for them (``sub`` 0: a basic.get)."""
-    out = []
+    out: list[ProxiedMessage] = []
+    if not data:
+        return out
+    if data[_DLV_FLAGS_AT] != NEW_ROUTE | NEW_PROPS:
+        raise _malformed("deliveries")
+    exchange = rk = ""
+    props = b""
+    summary = None
     pos = 0
     end = len(data)
     unpack = _DLV.unpack_from
     size = _DLV.size
     node = link.node_id
+    append = out.append
     while pos < end:
-        did, offset, redelivered, count, ts, lx, lr, lp, lb, li = unpack(data, pos)
+        did, offset, redelivered, count, ts, flags, lb, li = unpack(data, pos)
         pos += size
-        exchange = data[pos : pos + lx].decode()
-        pos += lx
-        rk = data[pos : pos + lr].decode()
-        pos += lr
-        props = data[pos : pos + lp]
-        pos += lp
+        if flags:
+            if flags & NEW_ROUTE:
+                lx, lr = _NAMES.unpack_from(data, pos)
+                pos += 2
+                exchange = data[pos : pos + lx].decode()
+                pos += lx
+                rk = data[pos : pos + lr].decode()
+                pos += lr
+            if flags & NEW_PROPS:
+                (lp,) = _U32.unpack_from(data, pos)
+                pos += 4
+                props = data[pos : pos + lp]
+                pos += lp
+                summary = properties.scan(props)
         body = data[pos : pos + lb]
         pos += lb
-        m = Message(exchange, rk, props, body, node=node)
-        m.timestamp = ts
+        m = Message(exchange, rk, props, body, summary, node, ts)
         if li:
-            m.id = data[pos : pos + li].decode()
+            m._id = data[pos : pos + li].decode()
             pos += li
-        qm = ProxiedMessage(m, offset, link, did, sub)
-        qm.redelivered = bool(redelivered)
-        qm.delivery_count = count
-        out.append(qm)
+        append(ProxiedMessage(m, offset, link, did, sub, redelivered, count))
     return out
 
 
@@ -200,7 +320,7 @@ class PeerLink:
         self.closed = False
         # -- forward
         self._seq = itertools.count(1)
-        self._batch: list[bytes] = []
+        self._batch = _Packer()
         self._batch_count = 0
         self._batch_bytes = 0
         self._batch_cbs: list[tuple[int, Forwarded]] = []
@@ -224,7 +344,7 @@ class PeerLink:
 
     # -- forwarding publishes ---------------------------------------------------
     def forward(self, vhost: bytes, queue: bytes, message: Message) -> None:
-        pack_forwarded(self._batch, vhost, queue, message)
+        self._batch.forwarded(vhost, queue, message)
         self._batch_count += 1
         self._batch_bytes += len(message.body)
         if not self._flush_scheduled:
@@ -237,21 +357,22 @@ class PeerLink:
 
     def _flush(self, force: bool = False) -> None:
         self._flush_scheduled = False
-        if not self._batch:
+        if not self._batch_count:
             return
         if self.closed:
             self._fail(self._batch_cbs)
-            self._batch, self._batch_cbs, self._batch_bytes, self._batch_count = [], [], 0, 0
+            self._batch.take()
+            self._batch_cbs, self._batch_bytes, self._batch_count = [], 0, 0
             return
         if len(self._inflight) >= MAX_INFLIGHT_BATCHES and not force and self._batch_bytes < BATCH_BYTES:
             # Busy: let the batch grow until an answer comes (as group commit
             # does); gRPC's cost is per stream message, not per byte.
             return
         seq = next(self._seq)
-        batch = pb.ForwardBatch(seq=seq, packed=b"".join(self._batch))
+        batch = pb.ForwardBatch(seq=seq, packed=self._batch.take())
         self._inflight[seq] = (self._batch_cbs, self._batch_count, self._batch_bytes)
         self.inflight_bytes += self._batch_bytes
-        self._batch, self._batch_cbs, self._batch_bytes, self._batch_count = [], [], 0, 0
+        self._batch_cbs, self._batch_bytes, self._batch_count = [], 0, 0
         if self._forward_q is None:
             self._forward_q = asyncio.Queue()
             self._forward_task = asyncio.get_running_loop().create_task(self._forward_loop(self._forward_q))
@@ -266,7 +387,7 @@ class PeerLink:
         that publishes and then gets must see its message, as it would on
         the owner (RabbitMQ keeps that order between a channel and a queue).
         """
-        if self._batch:
+        if self._batch_count:
             self._flush(force=True)
         if not self._inflight:
             return
@@ -314,7 +435,7 @@ class PeerLink:
                     cb(not result.error and index < len(accepted) and accepted[index])
                 if self._barriers:
                     self._release_barriers(result.seq)
-                if self._batch and not self._flush_scheduled:
+                if self._batch_count and not self._flush_scheduled:
                     self._flush()
         except (grpc.aio.AioRpcError, asyncio.CancelledError) as exc:
             if isinstance(exc, asyncio.CancelledError):
@@ -326,9 +447,10 @@ class PeerLink:
             inflight, self._inflight = self._inflight, {}
             self.inflight_bytes = 0
             self._release_barriers(None)
-            if self._batch:
+            if self._batch_count:
                 waiting = self._batch_cbs
-                self._batch, self._batch_cbs, self._batch_bytes, self._batch_count = [], [], 0, 0
+                self._batch.take()
+                self._batch_cbs, self._batch_bytes, self._batch_count = [], 0, 0
                 self._fail(waiting)
             for cbs, _, _ in inflight.values():
                 self._fail(cbs)
@@ -629,8 +751,8 @@ class QueueRemote:
         window = 0
         for c in qch.consumers:
             prefetch = NO_LIMIT_WINDOW if c.no_ack or not c.prefetch else c.prefetch
-            # Throughput consumers (a large prefetch) get a read-ahead of one
-            # more prefetch, so the ack round trip through the owner does not
+            # Throughput consumers (a large prefetch) get a read-ahead of
+            # more prefetches, so the ack round trip through the owner does not
             # drain the pipeline; a small prefetch (work queues, prefetch 1)
             # is exact, so no node hoards tasks another node's worker could take.
             window += prefetch * READ_AHEAD if prefetch >= READ_AHEAD_FROM else prefetch
@@ -653,9 +775,7 @@ class QueueRemote:
         if link is not self.link or sub != self.sub:
             link.requeue([qm.remote_id for qm in messages])
             return
-        push = self.queue.default.push
-        for qm in messages:
-            push(qm)
+        self.queue.default.push_many(messages)
 
     def subscription_cancelled(self, link: PeerLink, sub: int, reason: str) -> None:
         if link is self.link and sub == self.sub:
@@ -742,7 +862,7 @@ class _OwnerSession:
         self.consumers: dict[int, Consumer] = {}
         self.sub_of: dict[int, int] = {}  # id(consumer) -> sub
         self.unacked: dict[int, tuple[QueuedMessage, Consumer | None, QueueChannel]] = {}
-        self._pending: dict[int, list[bytes]] = {}
+        self._pending: dict[int, _Packer] = {}
         self._flush_scheduled = False
 
     # ConsumerSink
@@ -753,10 +873,10 @@ class _OwnerSession:
         did = next(self.ids)
         self.unacked[did] = (qm, consumer, consumer.channel)
         sub = self.sub_of[id(consumer)]
-        parts = self._pending.get(sub)
-        if parts is None:
-            parts = self._pending[sub] = []
-        pack_delivery(parts, did, qm)
+        batch = self._pending.get(sub)
+        if batch is None:
+            batch = self._pending[sub] = _Packer()
+        batch.delivery(did, qm)
         if not self._flush_scheduled:
             self._flush_scheduled = True
             asyncio.get_running_loop().call_soon(self._flush)
@@ -772,8 +892,8 @@ class _OwnerSession:
     def _flush(self) -> None:
         self._flush_scheduled = False
         pending, self._pending = self._pending, {}
-        for sub, parts in pending.items():
-            self.out.put_nowait(pb.SessionEvent(kind=pb.SessionEvent.DELIVERIES, sub=sub, packed=b"".join(parts)))
+        for sub, batch in pending.items():
+            self.out.put_nowait(pb.SessionEvent(kind=pb.SessionEvent.DELIVERIES, sub=sub, packed=batch.take()))
 
     # controls
     async def handle(self, c: pb.SessionControl) -> None:
@@ -837,25 +957,38 @@ class _OwnerSession:
         did = next(self.ids)
         if not c.no_ack:
             self.unacked[did] = (qm, None, qch)
-        parts: list[bytes] = []
-        pack_delivery(parts, did, qm)
-        self.out.put_nowait(pb.SessionEvent(kind=pb.SessionEvent.GET_OK, sub=c.sub, packed=b"".join(parts),
+        one = _Packer()
+        one.delivery(did, qm)
+        self.out.put_nowait(pb.SessionEvent(kind=pb.SessionEvent.GET_OK, sub=c.sub, packed=one.take(),
                                             remaining=len(qch.ready)))
 
     def _settle(self, ids: Any, how: str) -> None:
+        # Runs once per acked message of every proxied consumer (py-spy: 21 % of
+        # the owner's time), so the queue channel's checks are made once per run
+        # of ids on the same channel, and nothing is allocated per id.
+        unacked = self.unacked
+        ack = how == "ack"
         touched: dict[int, tuple[QueueChannel, list[tuple[QueuedMessage, Consumer | None]]]] = {}
+        live: QueueChannel | None = None  # the channel of the id before, if its queue is still ours
+        items: list[tuple[QueuedMessage, Consumer | None]] = []
         for did in ids:
-            entry = self.unacked.pop(did, None)
+            entry = unacked.pop(did, None)
             if entry is None:
                 continue
             qm, consumer, qch = entry
-            if qch.queue.deleted or qch.queue.remote is not None:
-                continue  # the queue moved away: its new owner redelivers from the store
-            if how == "ack":
+            if qch is not live:
+                queue = qch.queue
+                if queue.deleted or queue.remote is not None:
+                    continue  # the queue moved away: its new owner redelivers from the store
+                live = qch
+                group = touched.get(id(qch))
+                if group is None:
+                    group = touched[id(qch)] = (qch, [])
+                items = group[1]
+            if ack:
                 qch.settle(qm, consumer)
-                touched.setdefault(id(qch), (qch, []))
             else:
-                touched.setdefault(id(qch), (qch, []))[1].append((qm, consumer))
+                items.append((qm, consumer))
         for qch, items in touched.values():
             if how == "requeue":
                 qch.requeue(items)
@@ -886,10 +1019,11 @@ class NodeService(pb_grpc.NodeServicer):
         stored = False
         node = self.broker.node_id
         queues: dict[tuple[str, str], Queue | None] = {}
-        for vhost, queue, message in unpack_forwarded(batch.packed, node):
+        for vhost, queue, messages in unpack_forwarded(batch.packed, node):
             if queue.startswith(direct_reply.PREFIX):
                 # A reply to a requester connected here (direct reply-to across nodes).
-                accepted.append(self.broker.reply_to.deliver(queue, message))
+                for message in messages:
+                    accepted.append(self.broker.reply_to.deliver(queue, message))
                 continue
             key = (vhost, queue)
             if key in queues:
@@ -897,12 +1031,12 @@ class NodeService(pb_grpc.NodeServicer):
             else:
                 q = queues[key] = await self.owned(vhost, queue)
             if q is None or q.remote is not None or q.deleted:
-                accepted.append(False)
+                accepted += [False] * len(messages)
                 continue
-            ok = q.enqueue(message)
-            accepted.append(ok)
-            if ok and q.storage is not None and message.summary.delivery_mode == 2:
-                stored = True
+            oks = q.enqueue_many(messages)
+            accepted += oks
+            if q.storage is not None and not stored:
+                stored = any(ok and m.summary.delivery_mode == 2 for ok, m in zip(oks, messages, strict=True))
         result = pb.ForwardResult(seq=batch.seq, accepted=accepted)
         committer = self.broker.committer
         if stored and committer is not None:

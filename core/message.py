@@ -40,6 +40,7 @@ class Message:
         body: bytes,
         summary: properties.PropertySummary | None = None,
         node: str = "",
+        timestamp: float | None = None,
     ) -> None:
         self.seq = next(_ids)
         self.node = node
@@ -48,7 +49,8 @@ class Message:
         self.props = props
         self.summary = summary if summary is not None else properties.scan(props)
         self.body = body
-        self.timestamp = time.time()
+        # Given when the message was made elsewhere (another node forwarded it).
+        self.timestamp = time.time() if timestamp is None else timestamp
         self._headers: dict[str, Any] | None = None
         # Owned by a front end: its encoding of this message, reused when the
         # message goes out more than once (fanout, redelivery).

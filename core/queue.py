@@ -11,7 +11,7 @@ queue's AMQP consumers share.
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from typing import TYPE_CHECKING, Any, Protocol
 
 from core.clock import AsyncioScheduler, Scheduler, TimerHandle
@@ -109,6 +109,39 @@ class QueueChannel:
         if self.consumers and not self._dispatching:
             self.dispatch()
         if qm.expires_at is not None and self.ready:
+            self._arm_expiry()
+
+    def push_many(self, qms: Sequence[QueuedMessage]) -> None:
+        """``push`` each of ``qms`` in order, trying the consumers once for all that wait.
+
+        For batches from another node (core/forwarding.py): once the consumers
+        are out of credit, ``push`` would try them again for every message.
+        """
+        start = 0
+        if self.consumers:
+            # As push: while nothing waits, straight to a consumer with credit.
+            for qm in qms:
+                if self.ready or self._dispatching:
+                    break
+                c = self._pick()
+                if c is None:
+                    break
+                self._hand_over(c, qm)
+                start += 1
+        if start == len(qms):
+            return
+        ready = self.ready
+        size = 0
+        expiring = False
+        for qm in qms[start:] if start else qms:
+            ready.append(qm)
+            size += len(qm.message.body)
+            if qm.expires_at is not None:
+                expiring = True
+        self.ready_bytes += size
+        if self.consumers and not self._dispatching:
+            self.dispatch()
+        if expiring and self.ready:
             self._arm_expiry()
 
     # -- delivery --------------------------------------------------------------
@@ -449,6 +482,28 @@ class Queue:
         if self._limited:
             self._drop_over_limit()
         return True
+
+    def enqueue_many(self, messages: list[Message]) -> list[bool]:
+        """``enqueue`` each of ``messages`` in order (a batch another node forwarded)."""
+        if (self.remote is not None or self._limited or len(self.channels) != 1
+                or type(self).enqueue is not Queue.enqueue):  # limits, filters, a stream's own enqueue
+            return [self.enqueue(m) for m in messages]
+        offset = self.next_offset
+        storage = self.storage
+        timed = self._ttl_ms is not None
+        qms = []
+        for m in messages:
+            qm = QueuedMessage(m, offset)
+            offset += 1
+            if timed or m.summary.expiration is not None:
+                qm.expires_at = self._expiry_of(m)
+            if storage is not None and m.summary.delivery_mode == 2:
+                qm.persisted = True
+                storage.append(qm)
+            qms.append(qm)
+        self.next_offset = offset
+        self.default.push_many(qms)
+        return [True] * len(qms)
 
     def _full(self, incoming: int) -> bool:
         a = self.args

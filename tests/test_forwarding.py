@@ -197,3 +197,77 @@ async def test_broker_congestion_reaches_its_flow_listeners() -> None:
     broker.set_forward_congestion(True)  # no repeat
     broker.set_forward_congestion(False)
     assert seen == [True, False] and not broker.forward_congested
+
+
+class _Link:
+    node_id = "b"
+
+
+def _mixed_messages() -> list[tuple[bytes, bytes, Message]]:
+    """Forwards whose queue, names, properties and ids change at different records."""
+    headers = properties.encode({"headers": {"k": "v"}, "delivery_mode": 2, "expiration": "60000"})
+    out = []
+    for i, (vhost, queue, exchange, rk, props) in enumerate([
+        (b"/", b"q1", "", "q1", TRANSIENT),
+        (b"/", b"q1", "", "q1", TRANSIENT),
+        (b"/", b"q1", "amq.direct", "q1", TRANSIENT),
+        (b"/", b"q1", "amq.direct", "q1", headers),
+        (b"/", b"q2", "amq.direct", "q2", headers),
+        (b"other", b"q2", "amq.direct", "q2", headers),
+        (b"/", b"q1", "", "q1", PERSISTENT),
+        (b"/", b"q1", "", "q1", PERSISTENT),
+    ]):
+        m = Message(exchange, rk, props, f"body {i}".encode() * i, node="a")
+        if i in (1, 5):
+            m.id = f"id-{i}"
+        out.append((vhost, queue, m))
+    return out
+
+
+def test_packed_forwards_unpack_to_the_same_messages_in_runs_per_queue() -> None:
+    from core.forwarding import _Packer, unpack_forwarded
+
+    sent = _mixed_messages()
+    packer = _Packer()
+    for vhost, queue, m in sent:
+        packer.forwarded(vhost, queue, m)
+    data = packer.take()
+    runs = unpack_forwarded(data, "b")
+    assert [(v, q, len(ms)) for v, q, ms in runs] == [("/", "q1", 4), ("/", "q2", 1), ("other", "q2", 1),
+                                                     ("/", "q1", 2)]  # fmt: skip
+    got = [m for _, _, ms in runs for m in ms]
+    for (_, _, m), g in zip(sent, got, strict=True):
+        assert (g.exchange, g.routing_key, g.props, g.body, g.timestamp) == (
+            m.exchange, m.routing_key, m.props, m.body, m.timestamp)  # fmt: skip
+        assert g.summary.delivery_mode == m.summary.delivery_mode
+        assert g.summary.expiration == m.summary.expiration and g.headers == m.headers
+        assert g._id == m._id and g.node == "b"
+    # A new batch starts afresh: its first record carries every field again.
+    packer.forwarded(*sent[1])
+    again = unpack_forwarded(packer.take(), "b")
+    assert [(v, q, [m.body for m in ms]) for v, q, ms in again] == [("/", "q1", [sent[1][2].body])]
+    with pytest.raises(ValueError):
+        unpack_forwarded(data[len(data) // 2 :], "b")
+
+
+def test_packed_deliveries_unpack_to_the_same_messages() -> None:
+    from core.forwarding import _Packer, unpack_deliveries
+
+    packer = _Packer()
+    qms = []
+    for i, (_, _, m) in enumerate(_mixed_messages()):
+        qm = QueuedMessage(m, 100 + i)
+        qm.redelivered = i % 3 == 0
+        qm.delivery_count = i
+        packer.delivery(1000 + i, qm)
+        qms.append(qm)
+    got = unpack_deliveries(packer.take(), _Link(), 7)  # type: ignore[arg-type]
+    assert len(got) == len(qms)
+    for qm, g in zip(qms, got, strict=True):
+        m, gm = qm.message, g.message
+        assert (g.remote_id, g.offset, g.redelivered, g.delivery_count, g.sub) == (
+            1000 + qm.offset - 100, qm.offset, qm.redelivered, qm.delivery_count, 7)  # fmt: skip
+        assert (gm.exchange, gm.routing_key, gm.props, gm.body, gm.timestamp, gm._id) == (
+            m.exchange, m.routing_key, m.props, m.body, m.timestamp, m._id)  # fmt: skip
+        assert gm.summary.delivery_mode == m.summary.delivery_mode and gm.headers == m.headers
+        assert g.expires_at is None and not g.persisted and not g.reject

@@ -89,6 +89,43 @@ def test_round_robin_skips_consumers_without_credit(q: Queue) -> None:
     assert [t for t, _ in sink.delivered] == ["a", "b", "b", "b"]
 
 
+def test_push_many_is_push_of_each_in_order(q: Queue) -> None:
+    sink = FakeSink({"a": 2, "b": 1})
+    for tag in ("a", "b"):
+        consumer(q, sink, tag)
+    q.default.push_many([QueuedMessage(message(b"m%d" % i), i) for i in range(5)])
+    assert [t for t, _ in sink.delivered] == ["a", "b", "a"]
+    assert sink.bodies() == [b"m0", b"m1", b"m2"]
+    assert ready_bodies(q.default) == [b"m3", b"m4"] and q.default.ready_bytes == 4
+    q.default.push_many([QueuedMessage(message(b"m5"), 5)])  # behind those waiting
+    sink.credit["b"] = 5
+    q.default.dispatch()
+    assert sink.bodies() == [b"m0", b"m1", b"m2", b"m3", b"m4", b"m5"]
+
+
+def test_enqueue_many_is_enqueue_of_each() -> None:
+    from core.queue_args import parse_queue_args
+
+    for arguments in ({}, {"x-message-ttl": 0}, {"x-message-ttl": 60000}, {"x-max-length": 2}):
+        one, many = (Queue("q", "/", arguments=arguments, args=parse_queue_args(arguments, "q", "/"))
+                     for _ in range(2))  # fmt: skip
+        sinks = []
+        for q in (one, many):
+            sink = FakeSink({"c": 2})
+            consumer(q, sink, "c")
+            sinks.append(sink)
+        messages = [message(b"m%d" % i) for i in range(5)]
+        answers = [one.enqueue(m) for m in messages]
+        assert many.enqueue_many(messages) == answers
+        # With a TTL of 0 the first two still go out (deliver now or never), as with enqueue.
+        assert sinks[0].bodies() == sinks[1].bodies()
+        assert ready_bodies(one.default) == ready_bodies(many.default)
+        assert [qm.offset for qm in many.default.ready] == [qm.offset for qm in one.default.ready]
+        assert [qm.expires_at is None for qm in many.default.ready] == [
+            qm.expires_at is None for qm in one.default.ready]  # fmt: skip
+        assert many.next_offset == one.next_offset and many.default.ready_bytes == one.default.ready_bytes
+
+
 def test_backlog_dispatched_when_consumer_arrives(q: Queue) -> None:
     fill(q, 3)
     sink = FakeSink()
