@@ -65,6 +65,13 @@ MAX_INFLIGHT_BATCHES = 64
 BATCH_BYTES = 4 * 1024 * 1024
 # How long a publish to a queue without a live owner waits for one.
 OWNERLESS_TIMEOUT = 15.0
+# The node-to-node wire format (the packed records, the session's kinds). Every
+# call names it; a peer that speaks another one is refused at the call, with the
+# reason in the log, rather than having its bytes misread (a rolling upgrade
+# across a change of this format is not supported: run one version everywhere).
+INTERNAL_PROTOCOL = "2"
+_PROTOCOL_KEY = "leveret-internal-protocol"
+_PROTOCOL_MD = ((_PROTOCOL_KEY, INTERNAL_PROTOCOL),)
 GRPC_OPTIONS = [
     ("grpc.max_receive_message_length", 256 * 1024 * 1024),
     ("grpc.max_send_message_length", 256 * 1024 * 1024),
@@ -421,7 +428,7 @@ class PeerLink:
                 yield batch
 
         try:
-            call = self.stub.Forward(requests())
+            call = self.stub.Forward(requests(), metadata=_PROTOCOL_MD)
             async for result in call:
                 entry = self._inflight.pop(result.seq, None)
                 if entry is None:
@@ -545,7 +552,7 @@ class PeerLink:
                 yield msg
 
         try:
-            call = self.stub.Session(requests())
+            call = self.stub.Session(requests(), metadata=_PROTOCOL_MD)
             async for event in call:
                 self._on_event(event)
         except grpc.aio.AioRpcError as exc:
@@ -593,12 +600,13 @@ class PeerLink:
                 fut.set_result((unpack_deliveries(event.packed, self, 0)[0], event.remaining))
 
     async def purge(self, vhost: str, queue: str) -> int:
-        result = await self.stub.Purge(pb.QueueRef(vhost=vhost, queue=queue), timeout=10)
+        result = await self.stub.Purge(pb.QueueRef(vhost=vhost, queue=queue), timeout=10, metadata=_PROTOCOL_MD)
         return int(result.purged)
 
     async def commit_offset(self, vhost: str, queue: str, group: str, offset: int) -> None:
         """Set a consumer group's committed offset in a stream the peer owns; returns once its store has it."""
-        await self.stub.CommitOffset(pb.GroupOffset(vhost=vhost, queue=queue, group=group, offset=offset), timeout=10)
+        await self.stub.CommitOffset(pb.GroupOffset(vhost=vhost, queue=queue, group=group, offset=offset),
+                                     timeout=10, metadata=_PROTOCOL_MD)
 
     async def stats(self, vhost: str, queue: str) -> tuple[int, int]:
         result = await self.stream_stats(vhost, queue)
@@ -606,7 +614,7 @@ class PeerLink:
 
     async def stream_stats(self, vhost: str, queue: str) -> pb.QueueStats:
         """The owner's figures of a queue (of a stream: its offsets, bytes and group commits too)."""
-        return await self.stub.Stats(pb.QueueRef(vhost=vhost, queue=queue), timeout=10)
+        return await self.stub.Stats(pb.QueueRef(vhost=vhost, queue=queue), timeout=10, metadata=_PROTOCOL_MD)
 
     async def close(self) -> None:
         self.closed = True
@@ -1005,6 +1013,18 @@ class _OwnerSession:
         self._settle(list(self.unacked), "requeue")
 
 
+async def _check_protocol(context: grpc.aio.ServicerContext) -> None:
+    theirs = dict(context.invocation_metadata() or ()).get(_PROTOCOL_KEY)
+    if theirs == INTERNAL_PROTOCOL:
+        return
+    theirs = theirs or "1 (no version sent: an older node)"
+    log.error("a peer node speaks another internal protocol: refused; run one Leveret version on every node",
+              extra={"peer": context.peer(), "theirs": theirs, "ours": INTERNAL_PROTOCOL})
+    await context.abort(grpc.StatusCode.FAILED_PRECONDITION,
+                        f"internal protocol {theirs} is not this node's {INTERNAL_PROTOCOL}: run one Leveret "
+                        "version on every node of a cluster")
+
+
 class NodeService(pb_grpc.NodeServicer):
     """The owner's side of forwarding and proxied subscriptions."""
 
@@ -1054,6 +1074,7 @@ class NodeService(pb_grpc.NodeServicer):
     async def Forward(  # noqa: N802 - gRPC method name
         self, request_iterator: AsyncIterator[pb.ForwardBatch], context: grpc.aio.ServicerContext
     ) -> AsyncIterator[pb.ForwardResult]:
+        await _check_protocol(context)
         results: asyncio.Queue[asyncio.Future[pb.ForwardResult] | None] = asyncio.Queue()
 
         async def read() -> None:
@@ -1073,6 +1094,7 @@ class NodeService(pb_grpc.NodeServicer):
     async def Session(  # noqa: N802
         self, request_iterator: AsyncIterator[pb.SessionControl], context: grpc.aio.ServicerContext
     ) -> AsyncIterator[pb.SessionEvent]:
+        await _check_protocol(context)
         out: asyncio.Queue[pb.SessionEvent | None] = asyncio.Queue()
         session = _OwnerSession(self.broker, self.owned, out)
 
@@ -1094,6 +1116,7 @@ class NodeService(pb_grpc.NodeServicer):
             session.close()
 
     async def Purge(self, request: pb.QueueRef, context: grpc.aio.ServicerContext) -> pb.PurgeResult:  # noqa: N802
+        await _check_protocol(context)
         q = await self.owned(request.vhost, request.queue)
         if q is None:
             await context.abort(grpc.StatusCode.FAILED_PRECONDITION, "not the owner of this queue")
@@ -1103,6 +1126,7 @@ class NodeService(pb_grpc.NodeServicer):
     async def CommitOffset(  # noqa: N802
         self, request: pb.GroupOffset, context: grpc.aio.ServicerContext
     ) -> pb.CommitResult:
+        await _check_protocol(context)
         q = await self.owned(request.vhost, request.queue)
         if not isinstance(q, StreamQueue):
             await context.abort(grpc.StatusCode.FAILED_PRECONDITION, "not the owner of this stream")
@@ -1116,6 +1140,7 @@ class NodeService(pb_grpc.NodeServicer):
         return pb.CommitResult()
 
     async def Stats(self, request: pb.QueueRef, context: grpc.aio.ServicerContext) -> pb.QueueStats:  # noqa: N802
+        await _check_protocol(context)
         q = await self.owned(request.vhost, request.queue)
         if q is None:
             await context.abort(grpc.StatusCode.NOT_FOUND, "not the owner of this queue")

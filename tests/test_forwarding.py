@@ -271,3 +271,19 @@ def test_packed_deliveries_unpack_to_the_same_messages() -> None:
             m.exchange, m.routing_key, m.props, m.body, m.timestamp, m._id)  # fmt: skip
         assert gm.summary.delivery_mode == m.summary.delivery_mode and gm.headers == m.headers
         assert g.expires_at is None and not g.persisted and not g.reject
+
+
+async def test_a_peer_speaking_another_internal_protocol_is_refused(pair: Any) -> None:
+    """Mixed versions would misread each other's packed records: the call is refused, naming both versions."""
+    from core.forwarding import INTERNAL_PROTOCOL
+    from core.grpc_api import internal_pb2
+
+    _, _, _, _, peers = pair
+    link = peers.link("b")
+    assert link is not None
+    for metadata in ((), (("leveret-internal-protocol", "0"),)):
+        with pytest.raises(grpc.aio.AioRpcError) as info:
+            await link.stub.Stats(internal_pb2.QueueRef(vhost="/", queue="q"), timeout=5, metadata=metadata)
+        assert info.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+        assert f"this node's {INTERNAL_PROTOCOL}" in (info.value.details() or "")
+    assert (await link.stats("/", "q")) == (0, 0)  # the node's own calls name the protocol
