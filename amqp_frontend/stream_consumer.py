@@ -18,14 +18,16 @@ reader itself runs on the owner.
 
 from __future__ import annotations
 
+import asyncio
 import struct
+import time
 from typing import TYPE_CHECKING, Any
 
 from pamqp import commands
 
 from amqp_frontend import codec
 from core.errors import NotImplementedFeature, PreconditionFailed
-from core.forwarding import NotOwner
+from core.forwarding import LoadingGate, NotOwner
 from core.message import QueuedMessage
 from core.properties import PropertySummary
 from core.queue import Consumer, Queue
@@ -134,6 +136,11 @@ def consume(ch: Channel, q: StreamQueue, tag: str, m: commands.Basic.Consume) ->
                                  "with global=false")
     args = dict(m.arguments or {})
     spec, group = parse_consumer(args)
+    if q.remote is not None and not _served(q):
+        # Being loaded here (a take-over) or between owners (a failover): wait for it, as a
+        # classic consumer would, then consume again from the start (the queue object may be new).
+        ch.conn.suspend(ch, 60, 20, _until_served(ch, m.queue), lambda _: ch._basic_consume(m))
+        return
     if q.remote is not None:
         _consume_remote(ch, q, tag, m, args)
         return
@@ -147,13 +154,37 @@ def consume(ch: Channel, q: StreamQueue, tag: str, m: commands.Basic.Consume) ->
     reader.dispatch()
 
 
+# How long a stream consume waits for the stream to be served (a take-over or a failover).
+SERVED_WAIT = 10.0
+
+
+def _served(q: StreamQueue) -> bool:
+    """Readable now: this node serves it, or its owner is known and reachable."""
+    remote = q.remote
+    if remote is None:
+        return True
+    link = remote.link
+    return not isinstance(remote, LoadingGate) and link is not None and not link.closed
+
+
+async def _until_served(ch: Channel, name: str) -> None:
+    vhost = ch.vhost
+    assert vhost is not None
+    deadline = time.monotonic() + SERVED_WAIT
+    while True:
+        q = vhost.queues.get(name)
+        if not isinstance(q, StreamQueue) or _served(q):
+            return  # (gone or changed: the consume, run again, says so)
+        if time.monotonic() > deadline:
+            raise NotOwner(f"home node of stream {_name(q)} is down or being replaced; retry shortly")
+        await asyncio.sleep(0.05)
+
+
 def _consume_remote(ch: Channel, q: StreamQueue, tag: str, m: commands.Basic.Consume, args: dict[str, Any]) -> None:
     """A stream another node owns (cluster): the reader runs there, this consumer reads through it."""
     assert q.remote is not None
     link = q.remote.link
-    if link is None or link.closed:
-        # As RabbitMQ says of a queue whose home node is down; a client retries.
-        raise NotOwner(f"home node of stream {_name(q)} is down or being replaced; retry shortly")
+    assert link is not None
     reader_args = {k: v for k, v in args.items() if k in ("x-stream-offset", GROUP_ARGUMENT)}
     reader = RemoteStreamReader(q, link, tag, reader_args)
     consumer = Consumer(tag, reader, StreamSink(ch), no_ack=False, arguments=args, prefetch=ch.prefetch_per_consumer)
