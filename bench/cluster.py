@@ -100,7 +100,9 @@ def run_transient(cluster: Cluster, owner: str, producer_on: str, consumer_on: s
         )  # fmt: skip
         workers.start(producer_main, publish, counters)
         workers.wait_ready(timeout=30)
-        watches = {n: CpuWatch(cluster[n].pid) for n in sorted({owner, producer_on, consumer_on})}
+        # The nodes, etcd and Postgres are this process's children too: count only the bench's workers as client.
+        workers_pids = [p.pid for p in workers.procs if p.pid is not None]
+        watches = {n: CpuWatch(cluster[n].pid, workers_pids) for n in sorted({owner, producer_on, consumer_on})}
         start_at = time.monotonic() + 0.05
         warm_end = start_at + opts.warmup
         end_at = warm_end + opts.duration

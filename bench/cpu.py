@@ -58,9 +58,17 @@ def broker_pid_of(target: Target) -> int | None:
 class CpuWatch:
     """Call :meth:`start` and :meth:`stop_dict` around the measured window."""
 
-    def __init__(self, broker_pid: int | None) -> None:
+    def __init__(self, broker_pid: int | None, client_pids: list[int] | None = None) -> None:
         self.broker_pid = broker_pid
+        # The client's worker processes, when this process has other children (a cluster's nodes)
+        # that must not count as client: then the client is this process and those trees only.
+        self.client_pids = client_pids
         self._start = self._sample()
+
+    def _client_ticks(self) -> int:
+        if self.client_pids is None:
+            return _tree_ticks(os.getpid())  # this process and its live worker processes
+        return _proc_ticks(os.getpid()) + sum(_tree_ticks(p) for p in self.client_pids)
 
     def _sample(self) -> _Sample:
         busy, irq = _machine_ticks()
@@ -69,7 +77,7 @@ class CpuWatch:
             busy=busy,
             irq=irq,
             broker=_tree_ticks(self.broker_pid) if self.broker_pid else 0,
-            client=_tree_ticks(os.getpid()),  # this process and its live worker processes
+            client=self._client_ticks(),
             kthreads=_tree_ticks(KTHREADD),
         )
 
