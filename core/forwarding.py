@@ -203,6 +203,29 @@ class _Packer:
         return data
 
 
+def _new_fields(
+    data: bytes, pos: int, flags: int, exchange: str, rk: str, props: bytes, summary: properties.PropertySummary | None
+) -> tuple[int, str, str, bytes, properties.PropertySummary | None]:
+    """Read the route and properties a record carries (NEW_ROUTE, NEW_PROPS); the others stay as they were.
+
+    Only records whose fields changed come here, so the common record pays no call.
+    """
+    if flags & NEW_ROUTE:
+        lx, lr = _NAMES.unpack_from(data, pos)
+        pos += 2
+        exchange = data[pos : pos + lx].decode()
+        pos += lx
+        rk = data[pos : pos + lr].decode()
+        pos += lr
+    if flags & NEW_PROPS:
+        (lp,) = _U32.unpack_from(data, pos)
+        pos += 4
+        props = data[pos : pos + lp]
+        pos += lp
+        summary = properties.scan(props)
+    return pos, exchange, rk, props, summary
+
+
 def _malformed(what: str) -> ValueError:
     return ValueError(f"malformed packed {what}: a batch must begin with a record carrying every field")
 
@@ -235,19 +258,7 @@ def unpack_forwarded(data: bytes, node: str) -> list[tuple[str, str, list[Messag
                 pos += lq
                 messages = []
                 runs.append((vhost, queue, messages))
-            if flags & NEW_ROUTE:
-                lx, lr = _NAMES.unpack_from(data, pos)
-                pos += 2
-                exchange = data[pos : pos + lx].decode()
-                pos += lx
-                rk = data[pos : pos + lr].decode()
-                pos += lr
-            if flags & NEW_PROPS:
-                (lp,) = _U32.unpack_from(data, pos)
-                pos += 4
-                props = data[pos : pos + lp]
-                pos += lp
-                summary = properties.scan(props)
+            pos, exchange, rk, props, summary = _new_fields(data, pos, flags, exchange, rk, props, summary)
         body = data[pos : pos + lb]
         pos += lb
         m = Message(exchange, rk, props, body, summary, node, ts)
@@ -278,19 +289,7 @@ def unpack_deliveries(data: bytes, link: PeerLink, sub: int) -> list[ProxiedMess
         did, offset, redelivered, count, ts, flags, lb, li = unpack(data, pos)
         pos += size
         if flags:
-            if flags & NEW_ROUTE:
-                lx, lr = _NAMES.unpack_from(data, pos)
-                pos += 2
-                exchange = data[pos : pos + lx].decode()
-                pos += lx
-                rk = data[pos : pos + lr].decode()
-                pos += lr
-            if flags & NEW_PROPS:
-                (lp,) = _U32.unpack_from(data, pos)
-                pos += 4
-                props = data[pos : pos + lp]
-                pos += lp
-                summary = properties.scan(props)
+            pos, exchange, rk, props, summary = _new_fields(data, pos, flags, exchange, rk, props, summary)
         body = data[pos : pos + lb]
         pos += lb
         m = Message(exchange, rk, props, body, summary, node, ts)
