@@ -18,19 +18,19 @@ specification or its group's committed offset says, on the new owner.
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Iterable
 from typing import TYPE_CHECKING
 
 from core.fieldtable import encode_table
 from core.message import QueuedMessage
-from core.queue import Consumer, QueueChannel
+from core.queue import Consumer
+from core.stream_reader import LogChannel
 
 if TYPE_CHECKING:
     from core.forwarding import PeerLink, ProxiedMessage
     from core.stream import StreamQueue
 
 
-class RemoteStreamReader(QueueChannel):
+class RemoteStreamReader(LogChannel):
     """One consumer of a stream owned by another node, served through ``link``."""
 
     queue: StreamQueue
@@ -112,25 +112,8 @@ class RemoteStreamReader(QueueChannel):
             c.sink.deliver(c, qm)
 
     def settle(self, qm: QueuedMessage, consumer: Consumer | None) -> None:
+        """An ack, and (LogChannel) a reject or requeue: on the owner they all count as done."""
         self.unacked -= 1
         if consumer is not None:
             consumer.unacked -= 1
         self.link.settle(qm)
-
-    def discard(self, items: Iterable[tuple[QueuedMessage, Consumer | None]]) -> None:
-        """basic.reject/nack: a stream cannot take a message back; on the owner it counts as done."""
-        for qm, consumer in items:
-            self.settle(qm, consumer)
-        self.dispatch()
-
-    def requeue(self, items: Iterable[tuple[QueuedMessage, Consumer | None]]) -> None:
-        self.discard(items)
-
-    def push(self, qm: QueuedMessage) -> None:
-        raise AssertionError("a proxied stream reader is fed by the owner; nothing is pushed into it")
-
-    def get(self, no_ack: bool) -> QueuedMessage | None:
-        return None
-
-    def purge(self) -> int:
-        return 0

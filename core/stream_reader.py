@@ -46,7 +46,33 @@ def _queued(sm: StoredMessage) -> QueuedMessage:
     return QueuedMessage(m, sm.offset)
 
 
-class StreamReader(QueueChannel):
+class LogChannel(QueueChannel):
+    """What every reader of a stream shares, here or through the owner (core/stream_proxy.py).
+
+    A log is read, not consumed: nothing is pushed into a reader, it has no
+    ready list to get from or purge, and a reject, nack or requeue cannot
+    take a message back, so it settles like an ack.
+    """
+
+    def push(self, qm: QueuedMessage) -> None:
+        raise AssertionError("a stream reader reads the log; nothing is pushed into it")
+
+    def get(self, no_ack: bool) -> QueuedMessage | None:
+        return None
+
+    def purge(self) -> int:
+        return 0
+
+    def discard(self, items: Iterable[tuple[QueuedMessage, Consumer | None]]) -> None:
+        for qm, consumer in items:
+            self.settle(qm, consumer)
+        self.dispatch()
+
+    def requeue(self, items: Iterable[tuple[QueuedMessage, Consumer | None]]) -> None:
+        self.discard(items)
+
+
+class StreamReader(LogChannel):
     """A cursor over a stream and the consumers reading through it.
 
     It overrides what the front ends call on a ``QueueChannel`` (dispatch,
@@ -80,15 +106,6 @@ class StreamReader(QueueChannel):
     def lag(self) -> int:
         """Messages between the cursor and the end of the log."""
         return max(0, self.queue.next_offset - max(self.cursor, self.queue.first_offset))
-
-    def push(self, qm: QueuedMessage) -> None:
-        raise AssertionError("a stream reader reads the log; nothing is pushed into it")
-
-    def get(self, no_ack: bool) -> QueuedMessage | None:
-        return None
-
-    def purge(self) -> int:
-        return 0
 
     # -- delivery ----------------------------------------------------------------
     def dispatch(self) -> None:
@@ -193,15 +210,6 @@ class StreamReader(QueueChannel):
                 acked.discard(last)
             if last >= 0:
                 self.queue.commit_offset(self.group, last)  # type: ignore[arg-type]
-
-    def discard(self, items: Iterable[tuple[QueuedMessage, Consumer | None]]) -> None:
-        """basic.reject/nack: a stream cannot take a message back; it counts as done."""
-        for qm, consumer in items:
-            self.settle(qm, consumer)
-        self.dispatch()
-
-    def requeue(self, items: Iterable[tuple[QueuedMessage, Consumer | None]]) -> None:
-        self.discard(items)
 
     # -- consumers -------------------------------------------------------------------
     def add_consumer(self, consumer: Consumer, dispatch: bool = True) -> None:
