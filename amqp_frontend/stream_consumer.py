@@ -18,22 +18,20 @@ reader itself runs on the owner.
 
 from __future__ import annotations
 
-import asyncio
 import struct
-import time
 from typing import TYPE_CHECKING, Any
 
 from pamqp import commands
 
 from amqp_frontend import codec
 from core.errors import NotImplementedFeature, PreconditionFailed
-from core.forwarding import LoadingGate, NotOwner
+from core.forwarding import NotOwner
 from core.message import QueuedMessage
 from core.properties import PropertySummary
 from core.queue import Consumer, Queue
 from core.stream import StreamQueue
 from core.stream_args import GROUP_ARGUMENT, parse_consumer
-from core.stream_proxy import RemoteStreamReader
+from core.stream_proxy import RemoteStreamReader, reachable, until_reachable
 
 if TYPE_CHECKING:
     from amqp_frontend.channel import Channel
@@ -136,7 +134,7 @@ def consume(ch: Channel, q: StreamQueue, tag: str, m: commands.Basic.Consume) ->
                                  "with global=false")
     args = dict(m.arguments or {})
     spec, group = parse_consumer(args)
-    if q.remote is not None and not _served(q):
+    if not reachable(q):
         # Being loaded here (a take-over) or between owners (a failover): wait for it, as a
         # classic consumer would, then consume again from the start (the queue object may be new).
         ch.conn.suspend(ch, 60, 20, _until_served(ch, m.queue), lambda _: ch._basic_consume(m))
@@ -158,26 +156,14 @@ def consume(ch: Channel, q: StreamQueue, tag: str, m: commands.Basic.Consume) ->
 SERVED_WAIT = 10.0
 
 
-def _served(q: StreamQueue) -> bool:
-    """Readable now: this node serves it, or its owner is known and reachable."""
-    remote = q.remote
-    if remote is None:
-        return True
-    link = remote.link
-    return not isinstance(remote, LoadingGate) and link is not None and not link.closed
-
-
 async def _until_served(ch: Channel, name: str) -> None:
     vhost = ch.vhost
     assert vhost is not None
-    deadline = time.monotonic() + SERVED_WAIT
-    while True:
-        q = vhost.queues.get(name)
-        if not isinstance(q, StreamQueue) or _served(q):
-            return  # (gone or changed: the consume, run again, says so)
-        if time.monotonic() > deadline:
-            raise NotOwner(f"home node of stream {_name(q)} is down or being replaced; retry shortly")
-        await asyncio.sleep(0.05)
+    try:
+        await until_reachable(lambda: vhost.queues.get(name), SERVED_WAIT)
+    except TimeoutError:
+        raise NotOwner(f"home node of stream queue '{name}' in vhost '{vhost.name}' is down or being replaced; "
+                       "retry shortly") from None
 
 
 def _consume_remote(ch: Channel, q: StreamQueue, tag: str, m: commands.Basic.Consume, args: dict[str, Any]) -> None:

@@ -27,6 +27,7 @@ import grpc
 from core import properties
 from core.broker import Broker, User
 from core.errors import BrokerError, PreconditionFailed
+from core.forwarding import QueueRemote
 from core.grpc_api import leveret_pb2 as pb
 from core.grpc_api import leveret_pb2_grpc as pb_grpc
 from core.message import Message, QueuedMessage
@@ -462,9 +463,7 @@ class BrokerServicer(pb_grpc.BrokerServicer):
         if q.remote is not None:
             # Cluster: another node owns the queue; the answer comes after its commit.
             # The offset is the owner's to give: 0 here (docs/CLUSTER.md).
-            answer: asyncio.Future[bool] = asyncio.get_running_loop().create_future()
-            q.remote.when_forwarded(functools.partial(_resolve, answer))
-            return message, 0, False, answer
+            return message, 0, False, owner_answer(q.remote)
         return message, offset, q.storage is not None and summary.delivery_mode == 2, None
 
     @staticmethod
@@ -604,6 +603,13 @@ class BrokerServicer(pb_grpc.BrokerServicer):
                 yield ev
         finally:
             self.watchers.remove(events)
+
+
+def owner_answer(remote: QueueRemote) -> asyncio.Future[bool]:
+    """The owner's answer (after its commit) for the message just forwarded through ``remote``."""
+    answer: asyncio.Future[bool] = asyncio.get_running_loop().create_future()
+    remote.when_forwarded(functools.partial(_resolve, answer))
+    return answer
 
 
 def _resolve(answer: asyncio.Future[bool], ok: bool) -> None:

@@ -24,9 +24,8 @@ commit goes to the owner.
 from __future__ import annotations
 
 import asyncio
-import functools
+import contextlib
 import itertools
-import time
 from collections import deque
 from collections.abc import AsyncIterator
 from typing import Any
@@ -43,15 +42,15 @@ from core.grpc_api.servicer import (
     ApiError,
     BrokerServicer,
     _errors,
-    _resolve,
     decode_properties,
     message_properties,
+    owner_answer,
 )
 from core.message import Message, QueuedMessage
 from core.queue import Consumer, Queue, QueueChannel
 from core.stream import StreamQueue, StreamReader
 from core.stream_args import FIRST, LAST, NEXT, OffsetSpec, parse_age, reader_arguments
-from core.stream_proxy import RemoteStreamReader
+from core.stream_proxy import RemoteStreamReader, reachable, until_reachable
 from core.vhost import VirtualHost
 
 _SPECS: dict[int, OffsetSpec] = {int(pb.OFFSET_NEXT): NEXT, int(pb.OFFSET_FIRST): FIRST, int(pb.OFFSET_LAST): LAST}
@@ -155,18 +154,14 @@ OWNER_WAIT = 5.0
 
 async def _owner_link(q: StreamQueue) -> PeerLink | None:
     """The link to the node that owns ``q``, or None when this node owns it."""
-    deadline = time.monotonic() + OWNER_WAIT
-    while True:
-        remote = q.remote
-        if remote is None:
-            return None
-        link = remote.link
-        if link is not None and not link.closed:
-            return link
-        if time.monotonic() > deadline or q.deleted:
-            raise ApiError(grpc.StatusCode.UNAVAILABLE, f"the owner of stream '{q.name}' is being replaced; "
-                                                       "retry shortly")
-        await asyncio.sleep(0.05)
+    with contextlib.suppress(TimeoutError):
+        await until_reachable(lambda: None if q.deleted else q, OWNER_WAIT)
+    remote = q.remote
+    if remote is None:
+        return None
+    if q.deleted or not reachable(q):
+        raise ApiError(grpc.StatusCode.UNAVAILABLE, f"the owner of stream '{q.name}' is being replaced; retry shortly")
+    return remote.link
 
 
 class StreamsServicer(pb_grpc.StreamsServicer):
@@ -188,19 +183,20 @@ class StreamsServicer(pb_grpc.StreamsServicer):
         info = pb.StreamInfo(name=name, partitioned=partition.exchange_of(vh, name) is not None)
         for q in partition.resolve(vh, name):
             link = await _owner_link(q)
-            if link is not None:  # another node owns it: its figures are there
+            if link is None:
+                first, next_, messages, size, committed = (q.first_offset, q.next_offset, q.message_count,
+                                                           q.log_bytes, q.committed)
+            else:  # another node owns it: its figures are there
                 try:
                     s = await link.stream_stats(q.vhost, q.name)
                 except grpc.aio.AioRpcError as exc:
                     raise ApiError(grpc.StatusCode.UNAVAILABLE,
                                    f"the owner of stream '{q.name}' did not answer: {exc.details()}") from exc
-                p = info.partitions.add(stream=q.name, first_offset=s.first_offset, next_offset=s.next_offset,
-                                        messages=s.messages, bytes=s.bytes)
-                p.committed.update(s.committed)
-                continue
-            p = info.partitions.add(stream=q.name, first_offset=q.first_offset, next_offset=q.next_offset,
-                                    messages=q.message_count, bytes=q.log_bytes)
-            p.committed.update(q.committed)
+                first, next_, messages, size, committed = (s.first_offset, s.next_offset, s.messages, s.bytes,
+                                                           dict(s.committed))
+            p = info.partitions.add(stream=q.name, first_offset=first, next_offset=next_, messages=messages,
+                                    bytes=size)
+            p.committed.update(committed)
         return info
 
     async def CreateStream(self, request: pb.CreateStreamRequest, context: Any) -> pb.StreamInfo:
@@ -273,8 +269,7 @@ class StreamsServicer(pb_grpc.StreamsServicer):
             q.enqueue(message)
             if q.remote is not None:
                 # Another node owns the stream: answer once it committed there.
-                answer = asyncio.get_running_loop().create_future()
-                q.remote.when_forwarded(functools.partial(_resolve, answer))
+                answer = owner_answer(q.remote)
                 offset = 0
             if q.storage is not None:
                 await self.api._committed()
