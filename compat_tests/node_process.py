@@ -26,7 +26,7 @@ from pamqp import commands, frame
 from pamqp.heartbeat import Heartbeat
 
 from tests import pg
-from tests.ports import free_ports
+from tests.ports import free_port, free_ports
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 STARTUP_TIMEOUT = 30.0
@@ -196,7 +196,7 @@ class RestartablePostgres:
             out = (initdb.stdout + initdb.stderr).decode(errors="replace")[-3000:]
             raise RuntimeError(f"initdb failed with exit code {initdb.returncode}:\n{out}")
         for _attempt in range(3):
-            self.port = pg.free_port()
+            self.port = free_port()
             if self.start(raise_on_failure=False):
                 return
         raise RuntimeError(f"postgres did not start; its log ends with:\n{self.log_tail()}")

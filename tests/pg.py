@@ -28,7 +28,7 @@ from typing import Any
 import psycopg
 import pytest
 
-from tests.ports import free_ports
+from tests.ports import free_port
 
 PG_BIN = Path(os.environ.get("LEVERET_PG_BIN", "/usr/lib/postgresql/15/bin"))
 DSN_ENV = "LEVERET_TEST_POSTGRES_DSN"
@@ -53,9 +53,6 @@ def postgres_unavailable() -> str | None:
             return f"running as root and there is no {SERVICE_USER!r} user to run initdb as (initdb refuses root)"
     return None
 
-
-def free_port() -> int:
-    return free_ports(1)[0]
 
 
 def _as_service_user() -> dict[str, Any]:

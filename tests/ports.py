@@ -53,6 +53,11 @@ def free_ports(count: int) -> list[int]:
     raise RuntimeError(f"no {count} free loopback ports between {_LOW} and {high}")
 
 
+def free_port() -> int:
+    """One free TCP port on 127.0.0.1, as ``free_ports``."""
+    return free_ports(1)[0]
+
+
 def _kernel_ports(count: int) -> list[int]:
     sockets: list[socket.socket] = []
     try:

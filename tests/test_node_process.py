@@ -13,13 +13,10 @@ from pathlib import Path
 import pika
 import pytest
 
-from tests.ports import free_ports
+from tests.ports import free_port
 
 ROOT = Path(__file__).resolve().parent.parent
 
-
-def _free_port() -> int:
-    return free_ports(1)[0]
 
 
 def _wait_port(port: int, proc: subprocess.Popen[bytes], timeout: float = 15.0) -> None:
@@ -38,9 +35,9 @@ def _wait_port(port: int, proc: subprocess.Popen[bytes], timeout: float = 15.0) 
 @pytest.mark.timeout(60)
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
 def test_signal_closes_connections_with_320_and_exits_zero(tmp_path: Path, sig: signal.Signals) -> None:
-    port = _free_port()
+    port = free_port()
     proc = subprocess.Popen(
-        [sys.executable, "-m", "leveret", "serve", "--amqp-port", str(port), "--grpc-port", str(_free_port()),
+        [sys.executable, "-m", "leveret", "serve", "--amqp-port", str(port), "--grpc-port", str(free_port()),
          "--data-dir", str(tmp_path / "data"), "--log-format", "json"],
         cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
     )

@@ -22,7 +22,7 @@ from core import properties as amqp_properties
 from core.store import Batch, QueueRecord, StoredMessage
 from spark.backend import SQLITE_JAR, Backend
 from spark.policies import NamedPolicy, effective_limits, parse_duration, parse_size
-from tests.ports import free_ports
+from tests.ports import free_port
 
 ROOT = Path(__file__).resolve().parent.parent
 NOW = 1_800_000_000.0
@@ -325,9 +325,6 @@ def test_run_command_reads_the_store_options(tmp_path: Path, spark: Any, capsys:
 # -- replay through a running node --------------------------------------------------------------
 
 
-def _free_port() -> int:
-    return free_ports(1)[0]
-
 
 @needs_java
 @pytest.mark.timeout(120)
@@ -339,9 +336,9 @@ def test_replay_restores_the_archived_messages(tmp_path: Path, spark: Any) -> No
     run_job(backend, spark, archive_dir=str(tmp_path / "archive"))
     backend.close()
 
-    port = _free_port()
+    port = free_port()
     proc = subprocess.Popen(
-        [sys.executable, "-m", "leveret", "serve", "--amqp-port", str(port), "--grpc-port", str(_free_port()),
+        [sys.executable, "-m", "leveret", "serve", "--amqp-port", str(port), "--grpc-port", str(free_port()),
          "--data-dir", str(tmp_path / "node")],
         cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
     )  # fmt: skip
@@ -425,11 +422,11 @@ class _Node:
     """``python -m leveret serve`` on a data dir, stderr (JSON logs) to a file."""
 
     def __init__(self, data_dir: Path, *extra: str) -> None:
-        self.port = _free_port()
+        self.port = free_port()
         self.log = data_dir.parent / f"node-{self.port}.log"
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "leveret", "serve", "--amqp-port", str(self.port), "--grpc-port",
-             str(_free_port()), "--data-dir", str(data_dir), "--log-format", "json", *extra],
+             str(free_port()), "--data-dir", str(data_dir), "--log-format", "json", *extra],
             cwd=ROOT, stdout=subprocess.DEVNULL, stderr=open(self.log, "wb"),
         )  # fmt: skip
         deadline = time.monotonic() + 30

@@ -30,7 +30,7 @@ from core.store import (
     StoreError,
     Topology,
 )
-from tests.ports import free_ports
+from tests.ports import free_port
 
 StoreFactory = Callable[[], MessageStore]
 
@@ -144,9 +144,6 @@ def sort_topology(t: Topology) -> Topology:
         ),
     )
 
-
-def closed_port() -> int:
-    return free_ports(1)[0]  # nothing listens there
 
 
 # Arguments of many AMQP types, including nested tables and arrays.
@@ -502,7 +499,7 @@ async def test_unreachable_store_raises_store_error(backend: str, tmp_path: Path
     if backend == "postgres":
         from persistence.postgres import PostgresStore
 
-        port = closed_port()
+        port = free_port()  # nothing listens there
         secret = "s3cr3t-Pa55"
         for dsn in (
             f"postgresql://leveret:{secret}@127.0.0.1:{port}/leveret?connect_timeout=2",
