@@ -66,8 +66,8 @@ async def _users(args: argparse.Namespace, store: Any, cluster: _Cluster | None)
     if args.users_command == "add":
         u = User.create(args.name, args.password, tags=tuple(sorted(set(args.tags))), vhosts=set(args.vhosts),
                         loopback_only=args.loopback_only)
-        await store.save_user(UserRecord(args.name, u.salt, u.password_hash, sorted(set(args.tags)),
-                                         sorted(set(args.vhosts)), args.loopback_only))  # fmt: skip
+        await store.save_user(UserRecord(u.name, u.salt, u.password_hash, list(u.tags), sorted(u.vhosts),
+                                         u.loopback_only))  # fmt: skip
         if cluster is not None:
             from coordination.keys import user_value
 
