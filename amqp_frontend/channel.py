@@ -1,6 +1,6 @@
 """One AMQP channel: maps its methods onto the core and receives deliveries.
 
-It implements core.queue.ConsumerSink for its consumers: prefetch credit
+It implements core.engine.queue.ConsumerSink for its consumers: prefetch credit
 (per consumer, and per channel for ``global`` qos, as RabbitMQ reads it),
 delivery tags, the unacked set, and publisher confirms.
 """
@@ -16,8 +16,13 @@ from pamqp import commands
 from pamqp.base import Frame as Method
 
 from amqp_frontend import codec, stream_consumer
-from core import direct_reply, properties
-from core.errors import (
+from core.engine import direct_reply
+from core.engine.exchange import Exchange
+from core.engine.queue import Consumer, Queue, QueueChannel
+from core.engine.stream import StreamQueue
+from core.engine.vhost import server_generated_name
+from core.model import properties
+from core.model.errors import (
     AccessRefused,
     BrokerError,
     CommandInvalid,
@@ -27,15 +32,11 @@ from core.errors import (
     PreconditionFailed,
     UnexpectedFrame,
 )
-from core.exchange import Exchange
-from core.message import Message, QueuedMessage
-from core.queue import Consumer, Queue, QueueChannel
-from core.stream import StreamQueue
-from core.vhost import server_generated_name
+from core.model.message import Message, QueuedMessage
 
 if TYPE_CHECKING:
     from amqp_frontend.connection import Connection
-    from core.forwarding import QueueRemote
+    from core.cluster.forwarding import QueueRemote
 
 # delivery tag -> (message, consumer or None for basic.get, queue channel)
 Unacked = tuple[QueuedMessage, Consumer | None, QueueChannel]

@@ -21,9 +21,10 @@ from pamqp.base import Frame as Method
 
 from amqp_frontend import codec
 from amqp_frontend.channel import Channel
-from core import fieldtable
-from core.broker import Broker, User
-from core.errors import (
+from core.engine.broker import Broker, User
+from core.engine.vhost import VirtualHost
+from core.model import fieldtable
+from core.model.errors import (
     AccessRefused,
     BrokerError,
     ChannelError,
@@ -34,7 +35,6 @@ from core.errors import (
     SyntaxError_,
     UnexpectedFrame,
 )
-from core.vhost import VirtualHost
 
 log = logging.getLogger("leveret.amqp")
 

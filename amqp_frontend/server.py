@@ -11,7 +11,7 @@ from typing import Any
 from pamqp import commands
 
 from amqp_frontend.connection import Connection, ServerSettings, State
-from core.broker import Broker
+from core.engine.broker import Broker
 
 log = logging.getLogger("leveret.amqp")
 

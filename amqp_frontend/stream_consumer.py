@@ -24,14 +24,14 @@ from typing import TYPE_CHECKING, Any
 from pamqp import commands
 
 from amqp_frontend import codec
-from core.errors import NotImplementedFeature, PreconditionFailed
-from core.forwarding import NotOwner
-from core.message import QueuedMessage
-from core.properties import PropertySummary
-from core.queue import Consumer, Queue
-from core.stream import StreamQueue
-from core.stream_args import GROUP_ARGUMENT, parse_consumer
-from core.stream_proxy import RemoteStreamReader, reachable, until_reachable
+from core.cluster.forwarding import NotOwner
+from core.cluster.stream_proxy import RemoteStreamReader, reachable, until_reachable
+from core.engine.queue import Consumer, Queue
+from core.engine.stream import StreamQueue
+from core.engine.stream_args import GROUP_ARGUMENT, parse_consumer
+from core.model.errors import NotImplementedFeature, PreconditionFailed
+from core.model.message import QueuedMessage
+from core.model.properties import PropertySummary
 
 if TYPE_CHECKING:
     from amqp_frontend.channel import Channel

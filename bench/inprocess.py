@@ -19,7 +19,7 @@ from pamqp import body as pbody
 from pamqp import commands, frame, header
 
 from amqp_frontend.connection import Connection
-from core.broker import Broker
+from core.engine.broker import Broker
 
 
 def _handshake(conn: Connection) -> None:

@@ -34,19 +34,19 @@ import aetcd
 import grpc
 
 from coordination.keys import Layout, decode_args, dumps, encode_args, loads, user_value
-from core import direct_reply
-from core.broker import Broker, User
-from core.cluster import ClusterStartError
-from core.durability import Durability, QueueStorage
-from core.errors import BrokerError, NotFound, PreconditionFailed
-from core.exchange import Exchange
-from core.forwarding import LoadingGate, NodeService, NotOwner, Peers, QueueRemote
-from core.group_commit import GroupCommitter
-from core.message import Message, QueuedMessage
-from core.queue import Queue
-from core.store import Fenced, MessageStore, QueueRecord, StoreError
-from core.stream import StreamQueue
-from core.vhost import VirtualHost
+from core.cluster.forwarding import LoadingGate, NodeService, NotOwner, Peers, QueueRemote
+from core.durable.durability import Durability, QueueStorage
+from core.durable.group_commit import GroupCommitter
+from core.engine import direct_reply
+from core.engine.broker import Broker, User
+from core.engine.exchange import Exchange
+from core.engine.queue import Queue
+from core.engine.stream import StreamQueue
+from core.engine.vhost import VirtualHost
+from core.model.errors import BrokerError, NotFound, PreconditionFailed
+from core.model.message import Message, QueuedMessage
+from core.ports.coordinator import ClusterStartError
+from core.ports.store import Fenced, MessageStore, QueueRecord, StoreError
 
 log = logging.getLogger("leveret.cluster")
 
@@ -114,7 +114,7 @@ def _endpoint(url: str) -> tuple[str, int]:
 
 
 class EtcdCluster:
-    """The etcd coordinator of one node (core.cluster.Cluster)."""
+    """The etcd coordinator of one node (core.ports.coordinator.Cluster)."""
 
     def __init__(
         self,

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from typing import Any
 from urllib.parse import quote, unquote
 
-from core import fieldtable
+from core.model import fieldtable
 
 
 def q(name: str) -> str:
@@ -46,7 +46,7 @@ def dumps(value: dict[str, Any]) -> bytes:
 
 
 def user_value(user: Any) -> bytes:
-    """A user's record under meta/users/ (a core.broker.User: salted hash, never the password)."""
+    """A user's record under meta/users/ (a core.engine.broker.User: salted hash, never the password)."""
     return dumps({"salt": user.salt.hex(), "hash": user.password_hash.hex(), "tags": list(user.tags),
                   "vhosts": sorted(user.vhosts), "loopback_only": user.loopback_only})
 

@@ -87,8 +87,8 @@ def main(argv: list[str] | None = None) -> int:
     from leveret import logs, node
 
     logs.setup(config.log_level, config.log_format)
-    from core.cluster import ClusterStartError
-    from core.store import StoreError
+    from core.ports.coordinator import ClusterStartError
+    from core.ports.store import StoreError
 
     try:
         node.run(config)

@@ -7,7 +7,7 @@ from collections.abc import Callable
 
 import grpc
 
-from core.broker import Broker
+from core.engine.broker import Broker
 from core.grpc_api import leveret_pb2_grpc as pb_grpc
 from core.grpc_api.servicer import BrokerServicer
 from core.grpc_api.streams_servicer import StreamsServicer

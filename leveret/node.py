@@ -12,11 +12,11 @@ from typing import TYPE_CHECKING
 
 from amqp_frontend.connection import ServerSettings
 from amqp_frontend.server import AMQPServer
-from core.broker import Broker
-from core.durability import Durability
-from core.group_commit import GroupCommitter
-from core.store import MessageStore, StoreError
-from core.stream import StreamQueue
+from core.durable.durability import Durability
+from core.durable.group_commit import GroupCommitter
+from core.engine.broker import Broker
+from core.engine.stream import StreamQueue
+from core.ports.store import MessageStore, StoreError
 from leveret import __version__
 from leveret.config import NodeConfig
 from leveret.grpc_server import GRPCServer

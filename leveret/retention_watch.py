@@ -15,7 +15,7 @@ import asyncio
 import logging
 import time
 
-from core.broker import Broker
+from core.engine.broker import Broker
 from persistence.retention_requests import RequestTable
 
 log = logging.getLogger("leveret.retention")

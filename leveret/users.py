@@ -1,6 +1,6 @@
 """``leveret users ...`` and ``leveret vhosts ...``: durable users and vhosts, written through the store.
 
-A single node reads them at start (core.durability), so it picks up a change
+A single node reads them at start (core.durable.durability), so it picks up a change
 when it restarts. In a cluster (``--etcd``, as for ``serve``) the change is
 written to etcd too, where every running node applies it at once (a user
 added, replaced or deleted; a vhost added); nodes only seed etcd with what
@@ -60,8 +60,8 @@ def add_parsers(sub: Any) -> None:
 
 
 async def _users(args: argparse.Namespace, store: Any, cluster: _Cluster | None) -> int:
-    from core.broker import User
-    from core.store import UserRecord
+    from core.engine.broker import User
+    from core.ports.store import UserRecord
 
     if args.users_command == "add":
         u = User.create(args.name, args.password, tags=tuple(sorted(set(args.tags))), vhosts=set(args.vhosts),
@@ -141,7 +141,7 @@ def main(args: argparse.Namespace) -> int:
     except ConfigError as exc:
         print(f"leveret {group}: {exc}", file=sys.stderr)
         return 2
-    from core.store import StoreError
+    from core.ports.store import StoreError
     from leveret.node import make_store
 
     async def go() -> int:

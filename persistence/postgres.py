@@ -39,8 +39,8 @@ import psycopg.errors
 from psycopg.conninfo import conninfo_to_dict
 from psycopg_pool import AsyncConnectionPool
 
-from core.fieldtable import FieldTable, decode_table, encode_table
-from core.store import (
+from core.model.fieldtable import FieldTable, decode_table, encode_table
+from core.ports.store import (
     Batch,
     BindingRecord,
     ExchangeRecord,

@@ -19,8 +19,8 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, TypeVar
 
-from core.fieldtable import decode_table, encode_table
-from core.store import (
+from core.model.fieldtable import decode_table, encode_table
+from core.ports.store import (
     Batch,
     BindingRecord,
     ExchangeRecord,

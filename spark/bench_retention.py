@@ -20,7 +20,7 @@ from collections.abc import Iterator
 
 import psycopg
 
-from core.fieldtable import encode_table
+from core.model.fieldtable import encode_table
 
 
 def load(dsn: str, messages: int, queues: int, body_size: int, now: float) -> None:

@@ -14,7 +14,7 @@ import re
 from dataclasses import dataclass, field
 from typing import Any
 
-from core.fieldtable import FieldTableError, decode_table
+from core.model.fieldtable import FieldTableError, decode_table
 
 _DURATION = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([YMDdhmsw]?)\s*$")
 _DURATION_UNITS = {

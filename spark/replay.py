@@ -16,7 +16,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from core import properties as amqp_properties
+from core.model import properties as amqp_properties
 
 if TYPE_CHECKING:
     from pyspark.sql import SparkSession

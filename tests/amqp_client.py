@@ -17,7 +17,7 @@ from pamqp.header import ContentHeader, ProtocolHeader
 from pamqp.heartbeat import Heartbeat
 
 from amqp_frontend.connection import Connection, ServerSettings
-from core.broker import Broker
+from core.engine.broker import Broker
 
 PROTOCOL_HEADER = b"AMQP\x00\x00\x09\x01"
 LOOPBACK = ("127.0.0.1", 1234)

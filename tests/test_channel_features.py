@@ -9,8 +9,8 @@ from typing import Any
 import pytest
 from pamqp import commands
 
-from core.broker import Broker
-from core.clock import ManualScheduler
+from core.engine.broker import Broker
+from core.model.clock import ManualScheduler
 from tests.amqp_client import Client, assemble, connected, publish_bytes
 from tests.test_connection_sm import bodies, channel_close, of_type
 

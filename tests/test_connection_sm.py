@@ -16,7 +16,7 @@ from pamqp.header import ContentHeader
 from pamqp.heartbeat import Heartbeat
 
 from amqp_frontend.connection import ServerSettings
-from core.broker import Broker
+from core.engine.broker import Broker
 from tests.amqp_client import (
     PROTOCOL_HEADER,
     Client,

@@ -4,11 +4,11 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from core import properties
-from core.broker import Broker
-from core.durability import Durability
-from core.group_commit import GroupCommitter
-from core.store import Batch, QueueRecord, StoredMessage
+from core.durable.durability import Durability
+from core.durable.group_commit import GroupCommitter
+from core.engine.broker import Broker
+from core.model import properties
+from core.ports.store import Batch, QueueRecord, StoredMessage
 from persistence.sqlite import SQLiteStore
 
 

@@ -1,4 +1,4 @@
-"""core.fieldtable against pamqp's codec: every type tag, interop both ways, malformed input."""
+"""core.model.fieldtable against pamqp's codec: every type tag, interop both ways, malformed input."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ import pytest
 from pamqp import decode as pdecode
 from pamqp import encode as pencode
 
-from core.fieldtable import FieldTableError, decode_table, decode_value, encode_table, encode_value
+from core.model.fieldtable import FieldTableError, decode_table, decode_value, encode_table, encode_value
 
 UTC = datetime.UTC
 

@@ -14,12 +14,12 @@ from typing import Any
 import grpc
 import pytest
 
-from core import properties
-from core.broker import Broker
-from core.forwarding import NodeService, Peers, QueueRemote
+from core.cluster.forwarding import NodeService, Peers, QueueRemote
+from core.engine.broker import Broker
+from core.engine.queue import Consumer, Queue
 from core.grpc_api import internal_pb2_grpc
-from core.message import Message, QueuedMessage
-from core.queue import Consumer, Queue
+from core.model import properties
+from core.model.message import Message, QueuedMessage
 
 PERSISTENT = properties.encode({"delivery_mode": 2})
 TRANSIENT = properties.encode({})
@@ -174,7 +174,7 @@ async def test_basic_get_through_the_owner_sees_earlier_forwarded_publishes(pair
 async def test_forwarding_past_the_high_water_mark_raises_congestion_until_answered(
     pair: Any, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from core import forwarding
+    from core.cluster import forwarding
 
     _, other, q_owner, q_remote, peers = pair
     monkeypatch.setattr(forwarding, "FORWARD_HIGH_WATER", 64 * 1024)
@@ -225,7 +225,7 @@ def _mixed_messages() -> list[tuple[bytes, bytes, Message]]:
 
 
 def test_packed_forwards_unpack_to_the_same_messages_in_runs_per_queue() -> None:
-    from core.forwarding import _Packer, unpack_forwarded
+    from core.cluster.forwarding import _Packer, unpack_forwarded
 
     sent = _mixed_messages()
     packer = _Packer()
@@ -251,7 +251,7 @@ def test_packed_forwards_unpack_to_the_same_messages_in_runs_per_queue() -> None
 
 
 def test_packed_deliveries_unpack_to_the_same_messages() -> None:
-    from core.forwarding import _Packer, unpack_deliveries
+    from core.cluster.forwarding import _Packer, unpack_deliveries
 
     packer = _Packer()
     qms = []
@@ -275,7 +275,7 @@ def test_packed_deliveries_unpack_to_the_same_messages() -> None:
 
 async def test_a_peer_speaking_another_internal_protocol_is_refused(pair: Any) -> None:
     """Mixed versions would misread each other's packed records: the call is refused, naming both versions."""
-    from core.forwarding import INTERNAL_PROTOCOL
+    from core.cluster.forwarding import INTERNAL_PROTOCOL
     from core.grpc_api import internal_pb2
 
     _, _, _, _, peers = pair

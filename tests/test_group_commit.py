@@ -4,10 +4,10 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from core.durability import QueueStorage
-from core.group_commit import GroupCommitter
-from core.message import Message, QueuedMessage
-from core.store import QueueRecord
+from core.durable.durability import QueueStorage
+from core.durable.group_commit import GroupCommitter
+from core.model.message import Message, QueuedMessage
+from core.ports.store import QueueRecord
 from persistence.sqlite import SQLiteStore
 
 

@@ -10,7 +10,7 @@ import grpc
 import grpc.aio
 import pytest
 
-from core.broker import Broker
+from core.engine.broker import Broker
 from core.grpc_api import leveret_pb2 as pb
 from core.grpc_api import leveret_pb2_grpc as pb_grpc
 from core.grpc_api.servicer import decode_properties, encode_properties, make_filter

@@ -1,4 +1,4 @@
-"""core.properties (scan / decode / encode) against pamqp's Basic.Properties encoding."""
+"""core.model.properties (scan / decode / encode) against pamqp's Basic.Properties encoding."""
 
 from __future__ import annotations
 
@@ -8,8 +8,8 @@ from typing import Any
 import pytest
 from pamqp import commands
 
-from core import properties
-from core.message import Message
+from core.model import properties
+from core.model.message import Message
 
 UTC = datetime.UTC
 TS = 1_700_000_123

@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import pytest
 
-from core import properties
-from core.errors import AccessRefused
-from core.message import Message, QueuedMessage
-from core.queue import Consumer, Queue, QueueChannel
-from core.vhost import VirtualHost
+from core.engine.queue import Consumer, Queue, QueueChannel
+from core.engine.vhost import VirtualHost
+from core.model import properties
+from core.model.errors import AccessRefused
+from core.model.message import Message, QueuedMessage
 
 
 class FakeSink:
@@ -104,7 +104,7 @@ def test_push_many_is_push_of_each_in_order(q: Queue) -> None:
 
 
 def test_enqueue_many_is_enqueue_of_each() -> None:
-    from core.queue_args import parse_queue_args
+    from core.engine.queue_args import parse_queue_args
 
     for arguments in ({}, {"x-message-ttl": 0}, {"x-message-ttl": 60000}, {"x-max-length": 2}):
         one, many = (Queue("q", "/", arguments=arguments, args=parse_queue_args(arguments, "q", "/"))

@@ -8,12 +8,12 @@ from typing import Any
 
 import pytest
 
-from core import properties
-from core.clock import ManualScheduler
-from core.errors import PreconditionFailed
-from core.message import Message
-from core.queue import Consumer, Queue
-from core.vhost import VirtualHost
+from core.engine.queue import Consumer, Queue
+from core.engine.vhost import VirtualHost
+from core.model import properties
+from core.model.clock import ManualScheduler
+from core.model.errors import PreconditionFailed
+from core.model.message import Message
 from tests.test_queue import FakeSink, ready_bodies
 
 OWNER = object()

@@ -18,8 +18,8 @@ from typing import Any
 
 import pytest
 
-from core import properties as amqp_properties
-from core.store import Batch, QueueRecord, StoredMessage
+from core.model import properties as amqp_properties
+from core.ports.store import Batch, QueueRecord, StoredMessage
 from spark.backend import SQLITE_JAR, Backend
 from spark.policies import NamedPolicy, effective_limits, parse_duration, parse_size
 from tests.ports import free_port

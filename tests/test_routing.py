@@ -6,13 +6,13 @@ from typing import Any
 
 import pytest
 
-from core import properties
-from core.errors import AccessRefused, CommandInvalid, NotFound, PreconditionFailed
-from core.exchange import Binding, make_exchange
-from core.message import Message
-from core.queue import Queue
-from core.topic import topic_matches
-from core.vhost import VirtualHost
+from core.engine.exchange import Binding, make_exchange
+from core.engine.queue import Queue
+from core.engine.topic import topic_matches
+from core.engine.vhost import VirtualHost
+from core.model import properties
+from core.model.errors import AccessRefused, CommandInvalid, NotFound, PreconditionFailed
+from core.model.message import Message
 
 OWNER = object()
 

@@ -19,7 +19,7 @@ from typing import Any
 
 import pytest
 
-from core.store import (
+from core.ports.store import (
     Batch,
     BindingRecord,
     ExchangeRecord,

@@ -11,17 +11,18 @@ from typing import Any
 import pytest
 
 from amqp_frontend.stream_consumer import with_stream_offset
-from core import partition, properties
-from core.broker import Broker
-from core.clock import ManualScheduler
-from core.durability import Durability
-from core.errors import NotImplementedFeature, PreconditionFailed
-from core.group_commit import GroupCommitter
-from core.message import Message
-from core.queue import Consumer
-from core.stream import StreamQueue
-from core.stream_args import FIRST, LAST, NEXT, OffsetSpec, parse_age, parse_offset
-from core.vhost import VirtualHost
+from core.durable.durability import Durability
+from core.durable.group_commit import GroupCommitter
+from core.engine import partition
+from core.engine.broker import Broker
+from core.engine.queue import Consumer
+from core.engine.stream import StreamQueue
+from core.engine.stream_args import FIRST, LAST, NEXT, OffsetSpec, parse_age, parse_offset
+from core.engine.vhost import VirtualHost
+from core.model import properties
+from core.model.clock import ManualScheduler
+from core.model.errors import NotImplementedFeature, PreconditionFailed
+from core.model.message import Message
 from persistence.sqlite import SQLiteStore
 from tests.test_queue import FakeSink
 
@@ -292,7 +293,7 @@ async def _wait_for(predicate: Any, timeout: float = 5.0) -> None:
 
 async def test_old_offsets_are_read_back_from_the_store(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(StreamQueue, "memory_limit", 1000)
-    monkeypatch.setattr("core.stream.PAGE", 7)  # several pages per read
+    monkeypatch.setattr("core.engine.stream.PAGE", 7)  # several pages per read
     broker, committer, store = await _durable_broker(tmp_path / "s.sqlite3")
     vh = broker.vhosts["/"]
     q = stream(vh, **{"x-max-length-bytes": 5000})
@@ -335,7 +336,7 @@ async def test_old_offsets_are_read_back_from_the_store(tmp_path: Path, monkeypa
 
 async def test_pages_are_bounded_by_bytes(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(StreamQueue, "memory_limit", 500)
-    monkeypatch.setattr("core.stream.PAGE_BYTES", 250)
+    monkeypatch.setattr("core.engine.stream.PAGE_BYTES", 250)
     broker, committer, store = await _durable_broker(tmp_path / "s.sqlite3")
     q = stream(broker.vhosts["/"])
     publish(q, 40, size=100)

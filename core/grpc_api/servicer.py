@@ -3,7 +3,7 @@
 It mirrors amqp_frontend/channel.py: a push is a publish to the default
 exchange with the topic as routing key, straight into one queue; a
 subscription is a ``Consumer`` on one ``QueueChannel`` and implements
-``core.queue.ConsumerSink`` (credit = prefetch, deliveries gathered and sent
+``core.engine.queue.ConsumerSink`` (credit = prefetch, deliveries gathered and sent
 several per stream response). A native channel is an extra ``QueueChannel``
 on the queue with a topic filter; the queue's default channel (id
 ``"<queue>/"``) is the one AMQP consumers share.
@@ -24,17 +24,17 @@ from typing import Any
 
 import grpc
 
-from core import properties
-from core.broker import Broker, User
-from core.errors import BrokerError, PreconditionFailed
-from core.forwarding import QueueRemote
+from core.cluster.forwarding import QueueRemote
+from core.engine.broker import Broker, User
+from core.engine.queue import Consumer, Queue, QueueChannel
+from core.engine.stream import StreamQueue
+from core.engine.topic import topic_matches
+from core.engine.vhost import VirtualHost
 from core.grpc_api import leveret_pb2 as pb
 from core.grpc_api import leveret_pb2_grpc as pb_grpc
-from core.message import Message, QueuedMessage
-from core.queue import Consumer, Queue, QueueChannel
-from core.stream import StreamQueue
-from core.topic import topic_matches
-from core.vhost import VirtualHost
+from core.model import properties
+from core.model.errors import BrokerError, PreconditionFailed
+from core.model.message import Message, QueuedMessage
 
 log = logging.getLogger("leveret.grpc")
 

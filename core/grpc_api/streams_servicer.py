@@ -32,8 +32,13 @@ from typing import Any
 
 import grpc
 
-from core import partition, properties
-from core.forwarding import PeerLink
+from core.cluster.forwarding import PeerLink
+from core.cluster.stream_proxy import RemoteStreamReader, reachable, until_reachable
+from core.engine import partition
+from core.engine.queue import Consumer, Queue, QueueChannel
+from core.engine.stream import StreamQueue, StreamReader
+from core.engine.stream_args import FIRST, LAST, NEXT, OffsetSpec, parse_age, reader_arguments
+from core.engine.vhost import VirtualHost
 from core.grpc_api import leveret_pb2 as pb
 from core.grpc_api import leveret_pb2_grpc as pb_grpc
 from core.grpc_api.servicer import (
@@ -46,12 +51,8 @@ from core.grpc_api.servicer import (
     message_properties,
     owner_answer,
 )
-from core.message import Message, QueuedMessage
-from core.queue import Consumer, Queue, QueueChannel
-from core.stream import StreamQueue, StreamReader
-from core.stream_args import FIRST, LAST, NEXT, OffsetSpec, parse_age, reader_arguments
-from core.stream_proxy import RemoteStreamReader, reachable, until_reachable
-from core.vhost import VirtualHost
+from core.model import properties
+from core.model.message import Message, QueuedMessage
 
 _SPECS: dict[int, OffsetSpec] = {int(pb.OFFSET_NEXT): NEXT, int(pb.OFFSET_FIRST): FIRST, int(pb.OFFSET_LAST): LAST}
 

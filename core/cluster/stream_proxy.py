@@ -23,16 +23,16 @@ from collections import deque
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
-from core.fieldtable import encode_table
-from core.forwarding import LoadingGate
-from core.message import QueuedMessage
-from core.queue import Consumer
-from core.stream import StreamQueue
-from core.stream_reader import LogChannel
+from core.cluster.forwarding import LoadingGate
+from core.engine.queue import Consumer
+from core.engine.stream import StreamQueue
+from core.engine.stream_reader import LogChannel
+from core.model.fieldtable import encode_table
+from core.model.message import QueuedMessage
 
 if TYPE_CHECKING:
-    from core.forwarding import PeerLink, ProxiedMessage
-    from core.queue import Queue
+    from core.cluster.forwarding import PeerLink, ProxiedMessage
+    from core.engine.queue import Queue
 
 
 def reachable(q: StreamQueue) -> bool:

@@ -8,18 +8,18 @@ import os
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
-from core import dead_letter
-from core.clock import AsyncioScheduler, Scheduler
-from core.errors import AccessRefused, NotFound, PreconditionFailed, ResourceLocked
-from core.exchange import Binding, Destination, Exchange, make_exchange
-from core.message import Message, QueuedMessage
-from core.queue import Queue
-from core.queue_args import parse_queue_args
-from core.stream import StreamQueue
-from core.stream_args import check_stream_declare
+from core.engine import dead_letter
+from core.engine.exchange import Binding, Destination, Exchange, make_exchange
+from core.engine.queue import Queue
+from core.engine.queue_args import parse_queue_args
+from core.engine.stream import StreamQueue
+from core.engine.stream_args import check_stream_declare
+from core.model.clock import AsyncioScheduler, Scheduler
+from core.model.errors import AccessRefused, NotFound, PreconditionFailed, ResourceLocked
+from core.model.message import Message, QueuedMessage
 
 if TYPE_CHECKING:
-    from core.durability import Durability
+    from core.durable.durability import Durability
 
 log = logging.getLogger("leveret.core")
 

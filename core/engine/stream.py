@@ -29,16 +29,16 @@ import bisect
 import re
 from typing import TYPE_CHECKING, Any
 
-from core.clock import TimerHandle
-from core.errors import NotImplementedFeature
-from core.message import Message, QueuedMessage
-from core.queue import Queue
-from core.stream_args import OffsetSpec
-from core.stream_index import StoredIndex
-from core.stream_reader import StreamReader
+from core.engine.queue import Queue
+from core.engine.stream_args import OffsetSpec
+from core.engine.stream_index import StoredIndex
+from core.engine.stream_reader import StreamReader
+from core.model.clock import TimerHandle
+from core.model.errors import NotImplementedFeature
+from core.model.message import Message, QueuedMessage
 
 if TYPE_CHECKING:
-    from core.stream_proxy import RemoteStreamReader
+    from core.cluster.stream_proxy import RemoteStreamReader
 
 # A reader behind the in-memory log reads this many messages from the store at once,
 # fewer when their bodies add up to PAGE_BYTES (1 MiB bodies: 4 a page, not 5000).

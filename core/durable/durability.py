@@ -11,17 +11,17 @@ from __future__ import annotations
 import logging
 from typing import TYPE_CHECKING
 
-from core.errors import BrokerError
-from core.exchange import Binding, Exchange
-from core.group_commit import GroupCommitter
-from core.message import Message, QueuedMessage
-from core.store import BindingRecord, ExchangeRecord, MessageStore, QueueRecord, StoredMessage
-from core.stream import StreamQueue
+from core.durable.group_commit import GroupCommitter
+from core.engine.exchange import Binding, Exchange
+from core.engine.stream import StreamQueue
+from core.model.errors import BrokerError
+from core.model.message import Message, QueuedMessage
+from core.ports.store import BindingRecord, ExchangeRecord, MessageStore, QueueRecord, StoredMessage
 
 if TYPE_CHECKING:
-    from core.broker import Broker
-    from core.queue import Queue
-    from core.vhost import VirtualHost
+    from core.engine.broker import Broker
+    from core.engine.queue import Queue
+    from core.engine.vhost import VirtualHost
 
 log = logging.getLogger("leveret.store")
 
@@ -157,7 +157,7 @@ class Durability:
         return loaded
     async def restore_users(self, broker: Broker) -> None:
         """Vhosts and users written by ``leveret vhosts|users``; a stored user replaces a default one."""
-        from core.broker import User
+        from core.engine.broker import User
 
         for name in await self.store.load_vhosts():
             broker.add_vhost(name)

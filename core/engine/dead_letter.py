@@ -11,11 +11,11 @@ from __future__ import annotations
 import datetime
 from typing import TYPE_CHECKING, Any
 
-from core import properties
-from core.message import Message
+from core.model import properties
+from core.model.message import Message
 
 if TYPE_CHECKING:
-    from core.queue import Queue
+    from core.engine.queue import Queue
 
 REJECTED = "rejected"
 

@@ -13,9 +13,9 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any, Protocol
 
 if TYPE_CHECKING:
-    from core.message import QueuedMessage
-    from core.queue import Queue
-    from core.vhost import VirtualHost
+    from core.engine.queue import Queue
+    from core.engine.vhost import VirtualHost
+    from core.model.message import QueuedMessage
 
 
 class ClusterStartError(Exception):

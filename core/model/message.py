@@ -6,7 +6,7 @@ import itertools
 import time
 from typing import Any
 
-from core import properties
+from core.model import properties
 
 _ids = itertools.count(1)
 
@@ -15,7 +15,7 @@ class Message:
     """A published message; immutable once routed and shared between queues.
 
     ``props`` is the AMQP basic-properties encoding as the publisher sent it
-    (see core.properties); ``summary`` holds the few fields the broker acts on.
+    (see core.model.properties); ``summary`` holds the few fields the broker acts on.
     """
 
     __slots__ = (
@@ -88,7 +88,7 @@ class QueuedMessage:
 
     __slots__ = ("message", "offset", "redelivered", "delivery_count", "expires_at", "persisted")
 
-    # Set (in core.forwarding.ProxiedMessage) on a message a non-owner node
+    # Set (in core.cluster.forwarding.ProxiedMessage) on a message a non-owner node
     # received from the queue's owner: settling it is reported back there.
     link: Any = None
 

@@ -6,13 +6,13 @@ import bisect
 import hashlib
 from typing import TYPE_CHECKING, Any, Union
 
-from core import properties
-from core.errors import CommandInvalid, PreconditionFailed
-from core.topic import topic_matches
+from core.engine.topic import topic_matches
+from core.model import properties
+from core.model.errors import CommandInvalid, PreconditionFailed
 
 if TYPE_CHECKING:
-    from core.message import Message
-    from core.queue import Queue
+    from core.engine.queue import Queue
+    from core.model.message import Message
 
 Destination = Union["Queue", "Exchange"]
 

@@ -25,19 +25,20 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 import grpc
 
-from core import direct_reply, properties
-from core.errors import BrokerError, NotFound
-from core.fieldtable import decode_table
+from core.engine import direct_reply
+from core.engine.queue import Consumer, QueueChannel
+from core.engine.stream import StreamQueue
+from core.engine.stream_args import parse_reader
 from core.grpc_api import internal_pb2 as pb
 from core.grpc_api import internal_pb2_grpc as pb_grpc
-from core.message import Message, QueuedMessage
-from core.queue import Consumer, QueueChannel
-from core.stream import StreamQueue
-from core.stream_args import parse_reader
+from core.model import properties
+from core.model.errors import BrokerError, NotFound
+from core.model.fieldtable import decode_table
+from core.model.message import Message, QueuedMessage
 
 if TYPE_CHECKING:
-    from core.broker import Broker
-    from core.queue import Queue
+    from core.engine.broker import Broker
+    from core.engine.queue import Queue
 
 log = logging.getLogger("leveret.cluster")
 

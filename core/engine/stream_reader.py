@@ -17,14 +17,14 @@ from collections import deque
 from collections.abc import Iterable
 from typing import TYPE_CHECKING
 
-from core import properties
-from core.message import Message, QueuedMessage
-from core.queue import Consumer, QueueChannel
-from core.store import StoredMessage, StoreError
+from core.engine.queue import Consumer, QueueChannel
+from core.model import properties
+from core.model.message import Message, QueuedMessage
+from core.ports.store import StoredMessage, StoreError
 
 if TYPE_CHECKING:
-    from core.durability import QueueStorage
-    from core.stream import StreamQueue
+    from core.durable.durability import QueueStorage
+    from core.engine.stream import StreamQueue
 
 log = logging.getLogger("leveret.core")
 

@@ -6,7 +6,7 @@ import heapq
 from collections import deque
 from collections.abc import Iterator
 
-from core.message import QueuedMessage
+from core.model.message import QueuedMessage
 
 
 def _offset(qm: QueuedMessage) -> int:

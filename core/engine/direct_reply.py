@@ -13,7 +13,7 @@ import base64
 import os
 from collections.abc import Callable
 
-from core.message import Message
+from core.model.message import Message
 
 PSEUDO_QUEUE = "amq.rabbitmq.reply-to"
 PREFIX = PSEUDO_QUEUE + "."

@@ -14,13 +14,13 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from core.errors import NotFound, PreconditionFailed
-from core.exchange import PartitionExchange
-from core.stream import StreamQueue
-from core.vhost import VirtualHost
+from core.engine.exchange import PartitionExchange
+from core.engine.stream import StreamQueue
+from core.engine.vhost import VirtualHost
+from core.model.errors import NotFound, PreconditionFailed
 
 if TYPE_CHECKING:
-    from core.cluster import Cluster
+    from core.ports.coordinator import Cluster
 
 MAX_PARTITIONS = 1024
 

@@ -14,15 +14,15 @@ from collections import deque
 from collections.abc import Callable, Iterable, Sequence
 from typing import TYPE_CHECKING, Any, Protocol
 
-from core.clock import AsyncioScheduler, Scheduler, TimerHandle
-from core.errors import AccessRefused
-from core.message import Message, QueuedMessage
-from core.queue_args import QueueArgs
-from core.ready import PriorityReady, requeue_into, take_offsets
+from core.engine.queue_args import QueueArgs
+from core.engine.ready import PriorityReady, requeue_into, take_offsets
+from core.model.clock import AsyncioScheduler, Scheduler, TimerHandle
+from core.model.errors import AccessRefused
+from core.model.message import Message, QueuedMessage
 
 if TYPE_CHECKING:
-    from core.durability import QueueStorage
-    from core.forwarding import QueueRemote
+    from core.cluster.forwarding import QueueRemote
+    from core.durable.durability import QueueStorage
 
 # Why a message left a queue without being acknowledged (x-death "reason").
 REJECTED = "rejected"
@@ -432,7 +432,7 @@ class Queue:
         self._ttl_ms = a.message_ttl
         self._limited = a.max_length is not None or a.max_length_bytes is not None
         self._expires_timer: TimerHandle | None = None
-        # Set by core.durability for durable queues when a store is configured.
+        # Set by core.durable.durability for durable queues when a store is configured.
         self.storage: QueueStorage | None = None
         # Cluster: set while another node owns the queue (or it is being taken
         # over); publishes go there and consumers are served through a proxy.

@@ -18,10 +18,10 @@ import time
 from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING
 
-from core.store import Batch, Fenced, MessageStore, StoredMessage, StoreError
+from core.ports.store import Batch, Fenced, MessageStore, StoredMessage, StoreError
 
 if TYPE_CHECKING:
-    from core.durability import QueueStorage
+    from core.durable.durability import QueueStorage
 
 log = logging.getLogger("leveret.store")
 

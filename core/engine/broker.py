@@ -9,17 +9,17 @@ import os
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from core.clock import AsyncioScheduler, Scheduler
-from core.direct_reply import ReplyRegistry
-from core.errors import AccessRefused, NotAllowed
-from core.vhost import VirtualHost
+from core.engine.direct_reply import ReplyRegistry
+from core.engine.vhost import VirtualHost
+from core.model.clock import AsyncioScheduler, Scheduler
+from core.model.errors import AccessRefused, NotAllowed
 
 if TYPE_CHECKING:
     from collections.abc import Callable
 
-    from core.cluster import Cluster
-    from core.durability import Durability
-    from core.group_commit import GroupCommitter
+    from core.durable.durability import Durability
+    from core.durable.group_commit import GroupCommitter
+    from core.ports.coordinator import Cluster
 
 
 def _hash(password: str, salt: bytes) -> bytes:

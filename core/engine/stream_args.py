@@ -15,7 +15,7 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
-from core.errors import PreconditionFailed
+from core.model.errors import PreconditionFailed
 
 # RabbitMQ's x-max-age units (rabbit_amqqueue:check_max_age): Y, M, D, h, m, s.
 _UNITS = {"Y": 365 * 86400, "M": 30 * 86400, "D": 86400, "h": 3600, "m": 60, "s": 1}

@@ -5,8 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from core.errors import PreconditionFailed
-from core.stream_args import parse_stream_args
+from core.engine.stream_args import parse_stream_args
+from core.model.errors import PreconditionFailed
 
 OVERFLOW_MODES = ("drop-head", "reject-publish", "reject-publish-dlx")
 

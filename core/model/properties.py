@@ -12,7 +12,7 @@ from __future__ import annotations
 import struct
 from typing import Any
 
-from core.fieldtable import FieldTableError, decode_table, encode_table
+from core.model.fieldtable import FieldTableError, decode_table, encode_table
 
 _u16 = struct.Struct(">H")
 _u64 = struct.Struct(">Q")
