@@ -24,6 +24,8 @@ missing=""
 # etcd for cluster mode (--etcd): the cluster tests start throwaway servers; etcdctl reads the keys.
 [ -x /usr/bin/etcd ] || missing="$missing etcd-server"
 [ -x /usr/bin/etcdctl ] || missing="$missing etcd-client"
+# Debian's chromium for the web console tests (driven headless by playwright; never a downloaded browser).
+[ -x /usr/bin/chromium ] || missing="$missing chromium"
 if [ -n "$missing" ]; then
     if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
         echo "bootstrap: installing Debian packages:$missing"
@@ -48,6 +50,6 @@ if [ ! -x "$VENV/bin/python" ]; then
 fi
 echo "bootstrap: installing Python packages into $VENV (first run only)"
 "$VENV/bin/python" -m pip install -q --disable-pip-version-check -U pip
-"$VENV/bin/python" -m pip install -q --disable-pip-version-check -e '.[test]'
+"$VENV/bin/python" -m pip install -q --disable-pip-version-check -e '.[test,spark]'
 rm -f $VENV/.installed-*
 touch "$STAMP"
