@@ -11,13 +11,15 @@ run: bootstrap
 	@$(PY) -m leveret serve
 
 test: bootstrap
-	@$(PY) -m ruff check core amqp_frontend leveret bench compat_tests tests examples persistence spark
+	@$(PY) -m ruff check --quiet .
 	@$(PY) -m mypy
+	@.venv/bin/lint-imports --no-cache >/dev/null || .venv/bin/lint-imports --no-cache
 	@$(PY) -m pytest
 
 lint: bootstrap
 	@$(PY) -m ruff check .
 	@$(PY) -m mypy
+	@.venv/bin/lint-imports --no-cache
 
 bench: bootstrap
 	@$(PY) -m bench --url leveret=amqp://guest:guest@127.0.0.1:5672/

@@ -36,7 +36,7 @@ from core.model.message import Message, QueuedMessage
 
 if TYPE_CHECKING:
     from amqp_frontend.connection import Connection
-    from core.cluster.forwarding import QueueRemote
+    from core.ports.remote import RemoteQueue
 
 # delivery tag -> (message, consumer or None for basic.get, queue channel)
 Unacked = tuple[QueuedMessage, Consumer | None, QueueChannel]
@@ -326,7 +326,7 @@ class Channel:
                 self._ack_upto(seq - 1)
                 self._nack(seq)
 
-    def _await_owner(self, remote: QueueRemote, forwarded: _Join | None) -> _Join | None:
+    def _await_owner(self, remote: RemoteQueue, forwarded: _Join | None) -> _Join | None:
         """A message just went to another node's queue: wait for its owner's answer where the client will.
 
         In a tx.commit the commit-ok waits; with confirms, the publish's ack

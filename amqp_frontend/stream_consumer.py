@@ -12,7 +12,8 @@ consumers only, and the classic delivery path (``Channel.deliver``) is
 untouched.
 
 In a cluster, a consumer of a stream another node owns reads through a
-``RemoteStreamReader`` (core/stream_proxy.py): same checks, same sink, the
+``RemoteStreamReader`` (core/cluster/stream_proxy.py, opened through the
+queue's ``remote`` port): same checks, same sink, the
 reader itself runs on the owner.
 """
 
@@ -24,12 +25,10 @@ from typing import TYPE_CHECKING, Any
 from pamqp import commands
 
 from amqp_frontend import codec
-from core.cluster.forwarding import NotOwner
-from core.cluster.stream_proxy import RemoteStreamReader, reachable, until_reachable
 from core.engine.queue import Consumer, Queue
-from core.engine.stream import StreamQueue
+from core.engine.stream import StreamQueue, reachable, until_reachable
 from core.engine.stream_args import GROUP_ARGUMENT, parse_consumer
-from core.model.errors import NotImplementedFeature, PreconditionFailed
+from core.model.errors import NotImplementedFeature, NotOwner, PreconditionFailed
 from core.model.message import QueuedMessage
 from core.model.properties import PropertySummary
 
@@ -169,10 +168,8 @@ async def _until_served(ch: Channel, name: str) -> None:
 def _consume_remote(ch: Channel, q: StreamQueue, tag: str, m: commands.Basic.Consume, args: dict[str, Any]) -> None:
     """A stream another node owns (cluster): the reader runs there, this consumer reads through it."""
     assert q.remote is not None
-    link = q.remote.link
-    assert link is not None
-    reader_args = {k: v for k, v in args.items() if k in ("x-stream-offset", GROUP_ARGUMENT)}
-    reader = RemoteStreamReader(q, link, tag, reader_args)
+    reader_args: dict[str, object] = {k: v for k, v in args.items() if k in ("x-stream-offset", GROUP_ARGUMENT)}
+    reader = q.remote.open_stream_reader(tag, reader_args)
     consumer = Consumer(tag, reader, StreamSink(ch), no_ack=False, arguments=args, prefetch=ch.prefetch_per_consumer)
     ch.consumers[tag] = consumer
     ch._consumer_tag_raw[tag] = codec.shortstr(tag)

@@ -82,7 +82,7 @@ class Node:
 
     def _make_cluster(self) -> EtcdCluster:
         from coordination.etcd import ClusterSettings, EtcdCluster
-        from core.grpc_api import internal_pb2_grpc
+        from core.cluster import internal_pb2_grpc
 
         cfg = self.config
         assert self.store is not None and self.broker.committer is not None

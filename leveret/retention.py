@@ -65,9 +65,29 @@ def add_parser(sub: Any) -> None:
     replay.add_argument("--master", default="local[*]", help="Spark master used to read the archive")
 
 
-def _backend(args: argparse.Namespace) -> Any:
-    from spark.retention_job import backend_from_args
+def backend_from_args(args: argparse.Namespace) -> Any:
+    """The store of the node's configuration (file, environment, flags), as ``leveret serve`` reads it."""
+    from leveret.config import load
+    from spark.backend import Backend
 
+    overrides = {"data_dir": args.data_dir, "store": args.store, "postgres_dsn": args.postgres_dsn}
+    config = load(args.config, overrides)
+    return Backend(config.store, data_dir=config.data_dir, dsn=config.postgres_dsn)
+
+
+def run_from_args(args: argparse.Namespace, spark: Any = None) -> int:
+    """``leveret retention run``: the job on the store of the node's configuration."""
+    from spark.retention_job import run_from_args as run_job
+
+    try:
+        backend = backend_from_args(args)
+    except ConfigError as exc:
+        print(f"leveret retention: {exc}", file=sys.stderr)
+        return 2
+    return run_job(args, spark, backend)
+
+
+def _backend(args: argparse.Namespace) -> Any:
     backend = backend_from_args(args)
     backend.connect()
     return backend
@@ -160,8 +180,6 @@ def main(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     if command == "policy":
         return _policy(args)
     if command == "run":
-        from spark.retention_job import run_from_args
-
         return run_from_args(args)
     if command == "replay":
         return _replay(args)

@@ -31,7 +31,6 @@ import logging
 import math
 import re
 from collections.abc import AsyncIterator, Iterator, Sequence
-from pathlib import Path
 from typing import Any
 
 import psycopg
@@ -51,9 +50,9 @@ from core.ports.store import (
     Topology,
     UserRecord,
 )
-from persistence.migrate import apply_postgres
+from persistence.schema import POSTGRES_MIGRATIONS, apply_postgres
 
-MIGRATIONS = Path(__file__).resolve().parent / "migrations" / "postgres"
+MIGRATIONS = POSTGRES_MIGRATIONS
 
 DEFAULT_CONNECT_TIMEOUT = 5.0  # seconds, when the DSN does not say
 log = logging.getLogger("leveret.store")

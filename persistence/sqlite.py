@@ -11,7 +11,6 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import json
-import re
 import sqlite3
 import threading
 from collections.abc import Callable
@@ -31,9 +30,9 @@ from core.ports.store import (
     Topology,
     UserRecord,
 )
+from persistence.schema import SQLITE_MIGRATIONS, apply_sqlite
 
 T = TypeVar("T")
-MIGRATIONS = Path(__file__).parent / "migrations" / "sqlite"
 
 
 def arguments_key(encoded: bytes) -> str:
@@ -73,7 +72,7 @@ class SQLiteStore:
                 db.execute("PRAGMA page_size=65536")
                 db.execute("PRAGMA journal_mode=WAL")
                 db.execute("PRAGMA synchronous=FULL")
-                apply_sqlite(db, MIGRATIONS)
+                apply_sqlite(db, SQLITE_MIGRATIONS)
             except (sqlite3.Error, OSError) as exc:
                 raise StoreError(f"cannot open {self.description}: {exc}") from exc
             self._db = db
@@ -326,31 +325,6 @@ class SQLiteStore:
             return {grp: int(offset) for grp, offset in rows}
 
         return await self._run(load)
-
-
-_NUMBERED = re.compile(r"^(\d+)_.*\.sql$")
-
-
-def apply_sqlite(db: sqlite3.Connection, directory: Path) -> list[int]:
-    """Apply the numbered migrations (NNN_name.sql) not applied yet, in order; return them."""
-    db.execute("CREATE TABLE IF NOT EXISTS schema_migrations (version INTEGER PRIMARY KEY, applied_at TEXT NOT NULL)")
-    done = {row[0] for row in db.execute("SELECT version FROM schema_migrations")}
-    found = sorted((int(m.group(1)), p) for p in directory.iterdir() if (m := _NUMBERED.match(p.name)))
-    applied = []
-    for version, path in found:
-        if version in done:
-            continue
-        try:
-            db.executescript(
-                f"BEGIN IMMEDIATE;\n{path.read_text()}\n"
-                f"INSERT INTO schema_migrations VALUES ({version}, datetime('now'));\nCOMMIT;"
-            )
-        except sqlite3.Error:
-            if db.in_transaction:
-                db.rollback()
-            raise
-        applied.append(version)
-    return applied
 
 
 class _transaction:

@@ -75,15 +75,15 @@ class Backend:
             if not Path(self.path).exists():
                 raise BackendError(f"no store at {self.path} (is --data-dir right?)")
             db = sqlite3.connect(self.path, isolation_level=None, timeout=30.0)
-            from persistence.sqlite import MIGRATIONS, apply_sqlite
+            from persistence.schema import SQLITE_MIGRATIONS, apply_sqlite
 
-            apply_sqlite(db, MIGRATIONS)
+            apply_sqlite(db, SQLITE_MIGRATIONS)
             self._conn = db
         else:
             import psycopg
 
-            from persistence.migrate import apply_postgres
-            from persistence.postgres import MIGRATIONS as PG_MIGRATIONS
+            from persistence.schema import POSTGRES_MIGRATIONS as PG_MIGRATIONS
+            from persistence.schema import apply_postgres
 
             async def migrate() -> None:
                 aconn = await psycopg.AsyncConnection.connect(self.dsn, autocommit=True)

@@ -618,20 +618,20 @@ class RunLease:
 
 
 def backend_from_args(args: argparse.Namespace) -> Backend:
-    from leveret.config import load
+    """The store named by the flags alone (spark-submit); ``leveret retention run`` also reads the node's config."""
+    if getattr(args, "config", None):
+        raise BackendError("--config is read by `leveret retention run`; spark-submit takes --store, --data-dir "
+                           "and --postgres-dsn")
+    return Backend(args.store or "sqlite", data_dir=args.data_dir or "leveret-data", dsn=args.postgres_dsn)
 
-    overrides = {"data_dir": args.data_dir, "store": args.store, "postgres_dsn": args.postgres_dsn}
-    config = load(args.config, overrides)
-    return Backend(config.store, data_dir=config.data_dir, dsn=config.postgres_dsn)
 
-
-def run_from_args(args: argparse.Namespace, spark: SparkSession | None = None) -> int:
-    from leveret.config import ConfigError
-
+def run_from_args(args: argparse.Namespace, spark: SparkSession | None = None, backend: Backend | None = None) -> int:
+    """Run as the flags say, on ``backend`` (default: the store the flags name)."""
     try:
-        backend = backend_from_args(args)
+        if backend is None:
+            backend = backend_from_args(args)
         backend.connect()
-    except (ConfigError, BackendError) as exc:
+    except BackendError as exc:
         print(f"leveret retention: {exc}", file=sys.stderr)
         return 2
     lease = None if args.dry_run else RunLease(backend)

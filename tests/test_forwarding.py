@@ -14,10 +14,10 @@ from typing import Any
 import grpc
 import pytest
 
+from core.cluster import internal_pb2_grpc
 from core.cluster.forwarding import NodeService, Peers, QueueRemote
 from core.engine.broker import Broker
 from core.engine.queue import Consumer, Queue
-from core.grpc_api import internal_pb2_grpc
 from core.model import properties
 from core.model.message import Message, QueuedMessage
 
@@ -275,8 +275,8 @@ def test_packed_deliveries_unpack_to_the_same_messages() -> None:
 
 async def test_a_peer_speaking_another_internal_protocol_is_refused(pair: Any) -> None:
     """Mixed versions would misread each other's packed records: the call is refused, naming both versions."""
+    from core.cluster import internal_pb2
     from core.cluster.forwarding import INTERNAL_PROTOCOL
-    from core.grpc_api import internal_pb2
 
     _, _, _, _, peers = pair
     link = peers.link("b")

@@ -306,7 +306,7 @@ def test_postgres_run(postgres_db: str, tmp_path: Path, spark: Any) -> None:
 def test_run_command_reads_the_store_options(tmp_path: Path, spark: Any, capsys: pytest.CaptureFixture[str]) -> None:
     """``leveret retention run`` (its argument parsing and config plumbing) on the shared session."""
     from leveret.cli import build_parser
-    from spark.retention_job import run_from_args
+    from leveret.retention import run_from_args
 
     backend = sqlite_backend(tmp_path / "data")
     backend.close()

@@ -25,20 +25,21 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 import grpc
 
+from core.cluster import internal_pb2 as pb
+from core.cluster import internal_pb2_grpc as pb_grpc
 from core.engine import direct_reply
 from core.engine.queue import Consumer, QueueChannel
 from core.engine.stream import StreamQueue
 from core.engine.stream_args import parse_reader
-from core.grpc_api import internal_pb2 as pb
-from core.grpc_api import internal_pb2_grpc as pb_grpc
 from core.model import properties
-from core.model.errors import BrokerError, NotFound
+from core.model.errors import BrokerError, NotFound, NotOwner
 from core.model.fieldtable import decode_table
 from core.model.message import Message, QueuedMessage
 
 if TYPE_CHECKING:
     from core.engine.broker import Broker
     from core.engine.queue import Queue
+    from core.engine.stream_reader import LogChannel
 
 log = logging.getLogger("leveret.cluster")
 
@@ -81,10 +82,6 @@ GRPC_OPTIONS = [
     ("grpc.keepalive_permit_without_calls", 1),
     ("grpc.http2.max_pings_without_data", 0),
 ]
-
-
-class NotOwner(NotFound):
-    """The queue's owner cannot be reached (RabbitMQ: 404, "home node ... is down or inaccessible")."""
 
 
 class ProxiedMessage(QueuedMessage):
@@ -666,6 +663,17 @@ class QueueRemote:
         if self._held_timer is None:
             self._held_timer = asyncio.get_running_loop().call_later(OWNERLESS_TIMEOUT, self._held_expired)
 
+    def reachable(self) -> bool:
+        link = self.link
+        return link is not None and not link.closed
+
+    def open_stream_reader(self, name: str, arguments: dict[str, object]) -> LogChannel:
+        # Imported here: stream_proxy builds on this module.
+        from core.cluster.stream_proxy import RemoteStreamReader
+
+        assert isinstance(self.queue, StreamQueue) and self.link is not None
+        return RemoteStreamReader(self.queue, self.link, name, arguments)
+
     def when_forwarded(self, done: Forwarded) -> None:
         if self._last_held:
             self._held[-1][1].append(done)
@@ -806,6 +814,9 @@ class LoadingGate(QueueRemote):
 
     def __init__(self, queue: Queue, peers: Peers) -> None:
         super().__init__(queue, peers, None)
+
+    def reachable(self) -> bool:
+        return False  # being loaded here: served once the take-over completes
 
     def set_owner(self, owner: str | None) -> None:
         self.owner = owner

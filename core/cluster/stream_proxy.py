@@ -17,47 +17,17 @@ specification or its group's committed offset says, on the new owner.
 
 from __future__ import annotations
 
-import asyncio
-import time
 from collections import deque
-from collections.abc import Callable
 from typing import TYPE_CHECKING
 
-from core.cluster.forwarding import LoadingGate
 from core.engine.queue import Consumer
-from core.engine.stream import StreamQueue
+from core.engine.stream import StreamQueue, reachable, until_reachable  # noqa: F401 - re-exported
 from core.engine.stream_reader import LogChannel
 from core.model.fieldtable import encode_table
 from core.model.message import QueuedMessage
 
 if TYPE_CHECKING:
     from core.cluster.forwarding import PeerLink, ProxiedMessage
-    from core.engine.queue import Queue
-
-
-def reachable(q: StreamQueue) -> bool:
-    """Readable now: this node serves it, or its owner is known and reachable (not being taken over here)."""
-    remote = q.remote
-    if remote is None:
-        return True
-    link = remote.link
-    return not isinstance(remote, LoadingGate) and link is not None and not link.closed
-
-
-async def until_reachable(current: Callable[[], Queue | None], timeout: float) -> None:
-    """Wait while ``current()`` is a stream that is not ``reachable`` (a take-over or a failover).
-
-    Returns as soon as it is reachable, gone, or no longer a stream (the
-    caller looks at it again); TimeoutError after ``timeout`` seconds.
-    """
-    deadline = time.monotonic() + timeout
-    while True:
-        q = current()
-        if not isinstance(q, StreamQueue) or reachable(q):
-            return
-        if time.monotonic() > deadline:
-            raise TimeoutError
-        await asyncio.sleep(0.05)
 
 
 class RemoteStreamReader(LogChannel):

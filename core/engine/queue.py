@@ -21,7 +21,7 @@ from core.model.errors import AccessRefused
 from core.model.message import Message, QueuedMessage
 
 if TYPE_CHECKING:
-    from core.cluster.forwarding import QueueRemote
+    from core.cluster.forwarding import QueueRemote  # the coordinator sets and reads the concrete type
     from core.durable.durability import QueueStorage
 
 # Why a message left a queue without being acknowledged (x-death "reason").

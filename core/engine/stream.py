@@ -25,8 +25,11 @@ lookups.
 
 from __future__ import annotations
 
+import asyncio
 import bisect
 import re
+import time
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from core.engine.queue import Queue
@@ -349,3 +352,25 @@ class StreamQueue(Queue):
         self.stored.clear()
         self.log_bytes = self.mem_bytes = 0
         return count
+
+
+def reachable(q: StreamQueue) -> bool:
+    """Readable now: this node serves it, or its owner is known and reachable (not being taken over here)."""
+    remote = q.remote
+    return remote is None or remote.reachable()
+
+
+async def until_reachable(current: Callable[[], Queue | None], timeout: float) -> None:
+    """Wait while ``current()`` is a stream that is not ``reachable`` (a take-over or a failover).
+
+    Returns as soon as it is reachable, gone, or no longer a stream (the
+    caller looks at it again); TimeoutError after ``timeout`` seconds.
+    """
+    deadline = time.monotonic() + timeout
+    while True:
+        q = current()
+        if not isinstance(q, StreamQueue) or reachable(q):
+            return
+        if time.monotonic() > deadline:
+            raise TimeoutError
+        await asyncio.sleep(0.05)

@@ -28,6 +28,10 @@ class NotFound(BrokerError):
     name = "NOT_FOUND"
 
 
+class NotOwner(NotFound):
+    """The queue's owner cannot be reached (RabbitMQ: 404, "home node ... is down or inaccessible")."""
+
+
 class AccessRefused(BrokerError):
     code = 403
     name = "ACCESS_REFUSED"

@@ -1,12 +1,16 @@
-"""Schema migrations: numbered SQL files (``NNN_name.sql``) applied in order at start-up.
+"""The stores' schema, shared by the stores and the Spark jobs: where it is defined and how it is applied.
 
+The schema is numbered SQL files (``NNN_name.sql``) under ``migrations/<backend>/``,
+applied in order at start-up by whoever opens a store (a node, or a retention run).
 Each applied file is recorded in ``schema_migrations(version, applied_at)``;
 applying again is a no-op, and a file that fails leaves the ones before it applied.
+This module imports nothing of the broker, so the Spark jobs can use it alone.
 """
 
 from __future__ import annotations
 
 import re
+import sqlite3
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -14,6 +18,9 @@ if TYPE_CHECKING:
     import psycopg
 
 _FILE = re.compile(r"^(\d+)_[A-Za-z0-9_\-]+\.sql$")
+
+SQLITE_MIGRATIONS = Path(__file__).resolve().parent / "migrations" / "sqlite"
+POSTGRES_MIGRATIONS = Path(__file__).resolve().parent / "migrations" / "postgres"
 
 # pg_advisory_xact_lock key: serialises nodes migrating the same database at once.
 _PG_LOCK_KEY = 0x4C65766572657401  # "Leveret" + 1
@@ -53,5 +60,27 @@ async def apply_postgres(conn: psycopg.AsyncConnection[Any], directory: str | Pa
                 continue
             await conn.execute(script.encode("utf-8"))  # several statements, no parameters
             await conn.execute("INSERT INTO schema_migrations (version, applied_at) VALUES (%s, now())", (version,))
+        applied.append(version)
+    return applied
+
+
+def apply_sqlite(db: sqlite3.Connection, directory: Path) -> list[int]:
+    """Apply the numbered migrations (NNN_name.sql) not applied yet, in order; return them."""
+    db.execute("CREATE TABLE IF NOT EXISTS schema_migrations (version INTEGER PRIMARY KEY, applied_at TEXT NOT NULL)")
+    done = {row[0] for row in db.execute("SELECT version FROM schema_migrations")}
+    found = migration_files(directory)
+    applied = []
+    for version, path in found:
+        if version in done:
+            continue
+        try:
+            db.executescript(
+                f"BEGIN IMMEDIATE;\n{path.read_text()}\n"
+                f"INSERT INTO schema_migrations VALUES ({version}, datetime('now'));\nCOMMIT;"
+            )
+        except sqlite3.Error:
+            if db.in_transaction:
+                db.rollback()
+            raise
         applied.append(version)
     return applied

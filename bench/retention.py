@@ -1,6 +1,6 @@
 """Benchmark the retention job on a Postgres backup of N messages (default 1M, 256 B bodies).
 
-    .venv/bin/python -m spark.bench_retention [--messages 1000000] [--queues 10] [--archive DIR] [--dsn DSN]
+    .venv/bin/python -m bench.retention [--messages 1000000] [--queues 10] [--archive DIR] [--dsn DSN]
 
 Without --dsn it starts a throwaway Postgres (tests/pg.py: fsync off, loopback).
 The backup: ``--queues`` queues, offsets 1..N/queues each, enqueued over the

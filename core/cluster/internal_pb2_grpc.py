@@ -3,7 +3,7 @@
 import grpc
 import warnings
 
-from core.grpc_api import internal_pb2 as core_dot_grpc__api_dot_internal__pb2
+from core.cluster import internal_pb2 as core_dot_cluster_dot_internal__pb2
 
 GRPC_GENERATED_VERSION = '1.85.1'
 GRPC_VERSION = grpc.__version__
@@ -18,7 +18,7 @@ except ImportError:
 if _version_not_supported:
     raise RuntimeError(
         f'The grpc package installed is at version {GRPC_VERSION},'
-        + ' but the generated code in core/grpc_api/internal_pb2_grpc.py depends on'
+        + ' but the generated code in core/cluster/internal_pb2_grpc.py depends on'
         + f' grpcio>={GRPC_GENERATED_VERSION}.'
         + f' Please upgrade your grpc module to grpcio>={GRPC_GENERATED_VERSION}'
         + f' or downgrade your generated code using grpcio-tools<={GRPC_VERSION}.'
@@ -36,28 +36,28 @@ class NodeStub:
         """
         self.Forward = channel.stream_stream(
                 '/leveret.internal.v1.Node/Forward',
-                request_serializer=core_dot_grpc__api_dot_internal__pb2.ForwardBatch.SerializeToString,
-                response_deserializer=core_dot_grpc__api_dot_internal__pb2.ForwardResult.FromString,
+                request_serializer=core_dot_cluster_dot_internal__pb2.ForwardBatch.SerializeToString,
+                response_deserializer=core_dot_cluster_dot_internal__pb2.ForwardResult.FromString,
                 _registered_method=True)
         self.Session = channel.stream_stream(
                 '/leveret.internal.v1.Node/Session',
-                request_serializer=core_dot_grpc__api_dot_internal__pb2.SessionControl.SerializeToString,
-                response_deserializer=core_dot_grpc__api_dot_internal__pb2.SessionEvent.FromString,
+                request_serializer=core_dot_cluster_dot_internal__pb2.SessionControl.SerializeToString,
+                response_deserializer=core_dot_cluster_dot_internal__pb2.SessionEvent.FromString,
                 _registered_method=True)
         self.Purge = channel.unary_unary(
                 '/leveret.internal.v1.Node/Purge',
-                request_serializer=core_dot_grpc__api_dot_internal__pb2.QueueRef.SerializeToString,
-                response_deserializer=core_dot_grpc__api_dot_internal__pb2.PurgeResult.FromString,
+                request_serializer=core_dot_cluster_dot_internal__pb2.QueueRef.SerializeToString,
+                response_deserializer=core_dot_cluster_dot_internal__pb2.PurgeResult.FromString,
                 _registered_method=True)
         self.Stats = channel.unary_unary(
                 '/leveret.internal.v1.Node/Stats',
-                request_serializer=core_dot_grpc__api_dot_internal__pb2.QueueRef.SerializeToString,
-                response_deserializer=core_dot_grpc__api_dot_internal__pb2.QueueStats.FromString,
+                request_serializer=core_dot_cluster_dot_internal__pb2.QueueRef.SerializeToString,
+                response_deserializer=core_dot_cluster_dot_internal__pb2.QueueStats.FromString,
                 _registered_method=True)
         self.CommitOffset = channel.unary_unary(
                 '/leveret.internal.v1.Node/CommitOffset',
-                request_serializer=core_dot_grpc__api_dot_internal__pb2.GroupOffset.SerializeToString,
-                response_deserializer=core_dot_grpc__api_dot_internal__pb2.CommitResult.FromString,
+                request_serializer=core_dot_cluster_dot_internal__pb2.GroupOffset.SerializeToString,
+                response_deserializer=core_dot_cluster_dot_internal__pb2.CommitResult.FromString,
                 _registered_method=True)
 
 
@@ -100,28 +100,28 @@ def add_NodeServicer_to_server(servicer, server):
     rpc_method_handlers = {
             'Forward': grpc.stream_stream_rpc_method_handler(
                     servicer.Forward,
-                    request_deserializer=core_dot_grpc__api_dot_internal__pb2.ForwardBatch.FromString,
-                    response_serializer=core_dot_grpc__api_dot_internal__pb2.ForwardResult.SerializeToString,
+                    request_deserializer=core_dot_cluster_dot_internal__pb2.ForwardBatch.FromString,
+                    response_serializer=core_dot_cluster_dot_internal__pb2.ForwardResult.SerializeToString,
             ),
             'Session': grpc.stream_stream_rpc_method_handler(
                     servicer.Session,
-                    request_deserializer=core_dot_grpc__api_dot_internal__pb2.SessionControl.FromString,
-                    response_serializer=core_dot_grpc__api_dot_internal__pb2.SessionEvent.SerializeToString,
+                    request_deserializer=core_dot_cluster_dot_internal__pb2.SessionControl.FromString,
+                    response_serializer=core_dot_cluster_dot_internal__pb2.SessionEvent.SerializeToString,
             ),
             'Purge': grpc.unary_unary_rpc_method_handler(
                     servicer.Purge,
-                    request_deserializer=core_dot_grpc__api_dot_internal__pb2.QueueRef.FromString,
-                    response_serializer=core_dot_grpc__api_dot_internal__pb2.PurgeResult.SerializeToString,
+                    request_deserializer=core_dot_cluster_dot_internal__pb2.QueueRef.FromString,
+                    response_serializer=core_dot_cluster_dot_internal__pb2.PurgeResult.SerializeToString,
             ),
             'Stats': grpc.unary_unary_rpc_method_handler(
                     servicer.Stats,
-                    request_deserializer=core_dot_grpc__api_dot_internal__pb2.QueueRef.FromString,
-                    response_serializer=core_dot_grpc__api_dot_internal__pb2.QueueStats.SerializeToString,
+                    request_deserializer=core_dot_cluster_dot_internal__pb2.QueueRef.FromString,
+                    response_serializer=core_dot_cluster_dot_internal__pb2.QueueStats.SerializeToString,
             ),
             'CommitOffset': grpc.unary_unary_rpc_method_handler(
                     servicer.CommitOffset,
-                    request_deserializer=core_dot_grpc__api_dot_internal__pb2.GroupOffset.FromString,
-                    response_serializer=core_dot_grpc__api_dot_internal__pb2.CommitResult.SerializeToString,
+                    request_deserializer=core_dot_cluster_dot_internal__pb2.GroupOffset.FromString,
+                    response_serializer=core_dot_cluster_dot_internal__pb2.CommitResult.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -149,8 +149,8 @@ class Node:
             request_iterator,
             target,
             '/leveret.internal.v1.Node/Forward',
-            core_dot_grpc__api_dot_internal__pb2.ForwardBatch.SerializeToString,
-            core_dot_grpc__api_dot_internal__pb2.ForwardResult.FromString,
+            core_dot_cluster_dot_internal__pb2.ForwardBatch.SerializeToString,
+            core_dot_cluster_dot_internal__pb2.ForwardResult.FromString,
             options,
             channel_credentials,
             insecure,
@@ -176,8 +176,8 @@ class Node:
             request_iterator,
             target,
             '/leveret.internal.v1.Node/Session',
-            core_dot_grpc__api_dot_internal__pb2.SessionControl.SerializeToString,
-            core_dot_grpc__api_dot_internal__pb2.SessionEvent.FromString,
+            core_dot_cluster_dot_internal__pb2.SessionControl.SerializeToString,
+            core_dot_cluster_dot_internal__pb2.SessionEvent.FromString,
             options,
             channel_credentials,
             insecure,
@@ -203,8 +203,8 @@ class Node:
             request,
             target,
             '/leveret.internal.v1.Node/Purge',
-            core_dot_grpc__api_dot_internal__pb2.QueueRef.SerializeToString,
-            core_dot_grpc__api_dot_internal__pb2.PurgeResult.FromString,
+            core_dot_cluster_dot_internal__pb2.QueueRef.SerializeToString,
+            core_dot_cluster_dot_internal__pb2.PurgeResult.FromString,
             options,
             channel_credentials,
             insecure,
@@ -230,8 +230,8 @@ class Node:
             request,
             target,
             '/leveret.internal.v1.Node/Stats',
-            core_dot_grpc__api_dot_internal__pb2.QueueRef.SerializeToString,
-            core_dot_grpc__api_dot_internal__pb2.QueueStats.FromString,
+            core_dot_cluster_dot_internal__pb2.QueueRef.SerializeToString,
+            core_dot_cluster_dot_internal__pb2.QueueStats.FromString,
             options,
             channel_credentials,
             insecure,
@@ -257,8 +257,8 @@ class Node:
             request,
             target,
             '/leveret.internal.v1.Node/CommitOffset',
-            core_dot_grpc__api_dot_internal__pb2.GroupOffset.SerializeToString,
-            core_dot_grpc__api_dot_internal__pb2.CommitResult.FromString,
+            core_dot_cluster_dot_internal__pb2.GroupOffset.SerializeToString,
+            core_dot_cluster_dot_internal__pb2.CommitResult.FromString,
             options,
             channel_credentials,
             insecure,
