@@ -1212,7 +1212,7 @@ class EtcdCluster:
     async def get(self, queue: Queue, no_ack: bool) -> tuple[QueuedMessage | None, int]:
         if queue.remote is None:
             qm = queue.default.get(no_ack)
-            return qm, len(queue.default.ready)
+            return qm, queue.message_count
         link = self._link_for(queue)
         await link.barrier()
         result: tuple[QueuedMessage | None, int] = await link.get(queue.vhost, queue.name, no_ack)
