@@ -10,6 +10,9 @@ How it follows DESIGN.md ("A cluster"):
 - Ownership: the owner key sits on the owner's lease and its create revision
   is the queue's epoch. The owner fences the store with it, loads the
   backlog, and only then serves; every durable write is conditional on it.
+  The states and their moves are core/engine/ownership.py's machine; this
+  module drives it (watch events, the lease, the store's fence, drain) and
+  does the queue-side work through the engine's public methods.
 - Placement: a new durable queue goes to the live node with the fewest owned
   queues (ties by node id), computed from the mirrored owner keys; the same
   rule picks the successor when an owner's lease goes. Fewest-queues over
@@ -40,6 +43,7 @@ from core.durable.group_commit import GroupCommitter
 from core.engine import direct_reply
 from core.engine.broker import Broker, User
 from core.engine.exchange import Exchange
+from core.engine.ownership import Lease, Ownership, OwnershipState
 from core.engine.queue import Queue
 from core.engine.stream import StreamQueue
 from core.engine.vhost import VirtualHost
@@ -135,14 +139,17 @@ class EtcdCluster:
         self.peers = Peers(self._grpc_address, self._peer_broken)
         self.service = NodeService(broker, self.owned)
         self.durability = Durability(store, committer)
-        self.serving: dict[tuple[str, str], str] = {}  # -> "loading" | "ready"
+        ttl = settings.lease_ttl
+        # Served until the last refresh asked + TTL - margin (core/engine/ownership.py).
+        self.lease = Lease(ttl, margin=min(0.5, ttl / 4))
+        self.lease.on_lost = self._fence_self
+        self.ownership = Ownership(self.lease)
+        # The take-over in progress of each queue (TAKING_OVER .. LOADING).
         self._taking: dict[tuple[str, str], asyncio.Task[None]] = {}
         self._client: aetcd.Client | None = None
         self._watch_client: aetcd.Client | None = None
         self._endpoint_index = 0
         self.lease_id = 0
-        self.lease_ok_at = 0.0
-        self.fenced_self = False
         self._tasks: list[asyncio.Task[Any]] = []
         self._applying = 0
         self._stopping = False
@@ -214,16 +221,16 @@ class EtcdCluster:
                                            "nodes": sorted(self.mirror.nodes), "lease_ttl": self.settings.lease_ttl})
 
     async def _register(self) -> None:
+        asked = time.monotonic()
         lease = await asyncio.wait_for(self.client.lease(self.settings.lease_ttl), OP_TIMEOUT)
         self.lease_id = lease.id
-        self.lease_ok_at = time.monotonic()
-        self.fenced_self = False
+        self.lease.granted(asked)
         await self._put_node_info()
 
     def _node_value(self) -> bytes:
         s = self.settings
         return dumps({"id": self.node_id, "amqp": s.amqp_address, "grpc": s.grpc_address, "region": s.region,
-                      "lease": self.lease_id, "queues": len(self.serving), "draining": self.draining,
+                      "lease": self.lease_id, "queues": len(self.ownership), "draining": self.draining,
                       "started": self._started})
 
     async def _put_node_info(self) -> None:
@@ -242,7 +249,7 @@ class EtcdCluster:
 
     async def stop(self, handover: bool = True) -> None:
         self._stopping = True
-        if handover and not self.fenced_self:
+        if handover and not self.lease.lost:
             with contextlib.suppress(Exception):
                 await asyncio.wait_for(self.drain(), 20)
         for task in self._tasks:
@@ -262,8 +269,7 @@ class EtcdCluster:
     async def _keepalive_loop(self) -> None:
         ttl = self.settings.lease_ttl
         interval = ttl / 4
-        margin = min(0.5, ttl / 4)
-        watchdog = asyncio.get_running_loop().create_task(self._lease_watchdog(ttl - margin))
+        watchdog = asyncio.get_running_loop().create_task(self._lease_watchdog())
         try:
             while True:
                 await asyncio.sleep(interval)
@@ -271,15 +277,15 @@ class EtcdCluster:
         finally:
             watchdog.cancel()
 
-    async def _lease_watchdog(self, limit: float) -> None:
+    async def _lease_watchdog(self) -> None:
+        # Cut off from etcd while idle: nothing else would look at the
+        # deadline, and a new owner may be loading our queues. (A node woken
+        # from a pause meets the deadline earlier, at the first thing it does
+        # for an owned queue: Queue.guard.) The store's epoch check makes
+        # anything still in flight fail.
         while True:
             await asyncio.sleep(0.1)
-            age = time.monotonic() - self.lease_ok_at
-            if age > limit and not self.fenced_self:
-                # Paused, or cut off from etcd: the lease may be gone and a new
-                # owner may be loading our queues. Stop serving them now; the
-                # store's epoch check makes anything still in flight fail.
-                self._fence_self(f"lease not refreshed for {age:.1f}s (limit {limit:.1f}s)")
+            self.lease.valid()
 
     async def _refresh_once(self, ttl: int) -> None:
         sent = time.monotonic()
@@ -292,21 +298,24 @@ class EtcdCluster:
             log.debug("lease refresh failed", extra={"error": f"{type(exc).__name__}: {exc}"})
             await self._reconnect_if_needed()
             return
-        if alive and not self.fenced_self:
-            self.lease_ok_at = max(self.lease_ok_at, sent)
-            return
-        if not alive and not self.fenced_self:
-            self._fence_self("lease expired")
+        if alive and not self.lease.lost:
+            if self.lease.granted(sent):
+                return
+            # Answered past the deadline (we were paused, or etcd was slow):
+            # it proves nothing about now. Stop serving, then rejoin below.
+            self.lease.expire("lease refresh answered after the deadline")
+        if not alive and not self.lease.lost:
+            self.lease.expire("lease expired")
         # A new lease, a new registration; the reconcile loop takes back
-        # what our owner keys still say is ours.
+        # what our owner keys still say is ours, each with a new fence.
         try:
             if not alive:
                 asked = time.monotonic()
                 lease = await asyncio.wait_for(self.client.lease(ttl), OP_TIMEOUT)
                 self.lease_id = lease.id
                 sent = asked
-            self.lease_ok_at = sent
-            self.fenced_self = False
+            if not self.lease.granted(sent):
+                return  # too slow again: the next refresh tries
             await self._put_node_info()
             log.warning("rejoined the cluster", extra={"node": self.node_id, "lease": self.lease_id,
                                                         "new_lease": not alive})
@@ -328,11 +337,11 @@ class EtcdCluster:
                     await old.close()
 
     def _fence_self(self, reason: str) -> None:
-        self.fenced_self = True
-        log.error("stopping serving owned queues: " + reason,
-                  extra={"node": self.node_id, "queues": len(self.serving)})
-        for key in list(self.serving):
-            self._release(key, None)
+        """The lease ran out (Lease.on_lost): every owned queue is lost, now, before anything else runs."""
+        owned = self.ownership.owned()
+        log.error("stopping serving owned queues: " + reason, extra={"node": self.node_id, "queues": len(owned)})
+        for vq in owned:
+            self._lose(vq, None)
 
     # ================================================================ watching
     async def _watch_loop(self) -> None:
@@ -399,7 +408,7 @@ class EtcdCluster:
         for vname, vh in list(self.broker.vhosts.items()):
             for xname, x in list(vh.exchanges.items()):
                 if not xname.startswith("amq.") and xname and (vname, xname) not in seen_exchanges:
-                    self._apply(functools.partial(vh._drop_exchange, x))
+                    self._apply(functools.partial(vh.drop_exchange, x))
         self._synced.set()
 
     def _apply(self, fn: Callable[[], Any]) -> Any:
@@ -486,7 +495,7 @@ class EtcdCluster:
         if value is None:
             x = vh.exchanges.get(name)
             if x is not None:
-                self._apply(lambda: vh._drop_exchange(x))
+                self._apply(lambda: vh.drop_exchange(x))
             return
         if name in vh.exchanges:
             return
@@ -507,16 +516,15 @@ class EtcdCluster:
                 self._tombstones.pop(next(iter(self._tombstones)))
             q = vh.queues.get(name)
             if q is not None:
-                self.serving.pop(vq, None)
+                self.ownership.forget(vq)
                 task = self._taking.pop(vq, None)
                 if task is not None:
                     task.cancel()
-                if q.storage is not None:
+                q.guard(None)
+                if q.detach_storage() is not None:
                     # The owner removes the stored messages, in order with its other writes.
-                    storage, q.storage = q.storage, None
                     self.committer.run(lambda: self.store.delete_queue(vhost, name))
-                    del storage
-                self._apply(functools.partial(vh._drop_queue, q))
+                self._apply(functools.partial(vh.drop_queue, q))
                 self._emit("queue-deleted", self.node_id, vhost, name)
             return
         self.mirror.queues[vq] = value
@@ -531,7 +539,7 @@ class EtcdCluster:
             exclusive=exclusive, auto_delete=bool(value.get("auto_delete")),
             arguments=decode_args(value.get("arguments", "")), restoring=True))
         owner = self.mirror.owners.get(vq)
-        if owner is not None and owner[0] == self.node_id and not self.fenced_self and not self._stopping:
+        if owner is not None and owner[0] == self.node_id and not self.lease.lost and not self._stopping:
             self._start_takeover(vq, owner[1])
         else:
             self._become_remote(q, owner[0] if owner and owner[0] != self.node_id else None)
@@ -564,10 +572,14 @@ class EtcdCluster:
         previous = self.mirror.owners.get(vq)
         vh = self.broker.vhosts.get(vq[0])
         q = vh.queues.get(vq[1]) if vh is not None else None
+        own = self.ownership
         if node is None:
             self.mirror.owners.pop(vq, None)
             if previous is not None and previous[0] == self.node_id:
-                self._release(vq, None)
+                if own.state(vq) is OwnershipState.RELEASING:
+                    self._hand_back(vq, None)  # our own give-up's event, ahead of its answer
+                elif own.owning(vq):
+                    self._lose(vq, None)
             elif q is not None and q.remote is not None:
                 q.remote.set_owner(None)
             meta = self.mirror.queues.get(vq)
@@ -589,53 +601,69 @@ class EtcdCluster:
         if q is None:
             return
         if node == self.node_id:
-            if self.serving.get(vq) is None or (previous is not None and previous[1] != epoch):
+            if not own.owning(vq) or own.epoch(vq) != epoch:
                 self._start_takeover(vq, epoch)
+        elif own.owning(vq):
+            self._lose(vq, node)
         else:
-            if vq in self.serving:
-                self._release(vq, node)
-            elif q.remote is not None:
+            if own.state(vq) is OwnershipState.LOST:
+                own.disown(vq)  # someone else's now
+            if q.remote is not None:
                 q.remote.set_owner(node)
 
     # ================================================================ ownership
+    # The moves are core/engine/ownership.py's; each method below makes one
+    # (or a few) and does its queue-side work through the engine's methods.
     def _start_takeover(self, vq: tuple[str, str], epoch: int) -> None:
-        if self.fenced_self or self._stopping:
+        if self.lease.lost or self._stopping:
             return
         old = self._taking.pop(vq, None)
         if old is not None:
             old.cancel()
-        self.serving[vq] = "loading"
+        if self.ownership.owning(vq):
+            # Ours again under a newer epoch: that incarnation is over, the
+            # take-over below resets what it served and fences anew.
+            self.ownership.lose(vq)
+        self.ownership.take_over(vq, epoch)
         self._taking[vq] = asyncio.get_running_loop().create_task(self._take_over(vq, epoch))
 
     async def _take_over(self, vq: tuple[str, str], epoch: int) -> None:
+        own = self.ownership
         vh = self.broker.vhosts.get(vq[0])
         q = vh.queues.get(vq[1]) if vh is not None else None
+        me = asyncio.current_task()
         if q is None:
-            self.serving.pop(vq, None)
+            if self._taking.get(vq) is me:
+                self._taking.pop(vq, None)
+                own.forget(vq)
             return
-        gate = LoadingGate(q, self.peers)
-        if q.remote is not None:
-            gate._held = q.remote.detach()
-        q.remote = gate
+        # Publishes wait at the gate (with what an earlier stand-in held)
+        # until the backlog is loaded; the lease guards everything from now.
+        gate = LoadingGate(q, self.peers, q.remote.detach() if q.remote is not None else None)
+        q.set_remote(gate)
+        q.guard(self.lease)
         started = time.monotonic()
         try:
             loaded = 0
             if q.durable and not q.exclusive:
                 # Fence first, then load: a write from a previous owner can no longer land.
                 await self.store.claim(vq[0], vq[1], epoch)
+                own.fence(vq)
                 # The store describes what it holds (the retention job reads each queue's
                 # arguments there); the declarations themselves live in etcd.
                 await self.store.save_queue(QueueRecord(vq[0], vq[1], q.auto_delete, q.arguments))
-                for ch in q.channels:
-                    ch.ready.clear()
-                    ch.ready_bytes = 0
-                q.storage = QueueStorage(vq[0], vq[1], self.committer, epoch)
-                loaded = await self.durability.load(q, self.broker.node_id)
+                q.reset_ready()
+                q.attach_storage(QueueStorage(vq[0], vq[1], self.committer, epoch))
+                own.load(vq)
+                loaded = await self.durability.load(q, self.broker.node_id)  # marked redelivered
+            else:
+                own.fence(vq)  # nothing stored: nothing to fence or load
+                own.load(vq)
         except (StoreError, asyncio.CancelledError) as exc:
-            if q.remote is gate:
-                q.storage = None
+            if self._taking.get(vq) is me:  # still this take-over's to undo (not lost or restarted meanwhile)
                 self._taking.pop(vq, None)
-                self.serving.pop(vq, None)
+                own.lose(vq)
+                q.stop_serving()
                 self._become_remote(q, None)
             if isinstance(exc, asyncio.CancelledError):
                 raise
@@ -646,12 +674,12 @@ class EtcdCluster:
                       extra={"vhost": vq[0], "queue": vq[1], "error": str(exc)})
             await self._give_up(vq)
             return
-        if q.remote is not gate:
-            return  # released meanwhile
+        if self._taking.get(vq) is not me or not q.lease_valid():
+            return  # lost meanwhile (the lease check gave it up already), or restarted
         held = gate.detach()
-        q.remote = None
+        q.set_remote(None)
         self._taking.pop(vq, None)
-        self.serving[vq] = "ready"
+        own.serve(vq)
         self._flush_held(q, held)
         q.default.dispatch()
         q.touch()  # the x-expires clock runs on the owner
@@ -671,20 +699,33 @@ class EtcdCluster:
                 for cb in cbs:
                     cb(ok)
 
-    def _release(self, vq: tuple[str, str], new_owner: str | None) -> None:
-        """Stop serving a queue (lease lost, fenced, moved): its stored data stays for the next owner."""
-        self.serving.pop(vq, None)
+    def _lose(self, vq: tuple[str, str], new_owner: str | None) -> None:
+        """Stop serving a queue involuntarily (lease lost, fenced, moved): LOST; NOT_OWNED once the owner is known."""
+        own = self.ownership
+        if own.owning(vq):
+            own.lose(vq)
+        if new_owner is not None and own.state(vq) is OwnershipState.LOST:
+            own.disown(vq)
+        self._stop_serving(vq, new_owner)
+
+    def _hand_back(self, vq: tuple[str, str], new_owner: str | None) -> None:
+        """The hand-over is done (our owner key is gone): RELEASING -> NOT_OWNED."""
+        self.ownership.disown(vq)
+        self._stop_serving(vq, new_owner)
+
+    def _stop_serving(self, vq: tuple[str, str], new_owner: str | None) -> None:
+        """The queue side of losing or handing back: its stored data stays for the next owner."""
         task = self._taking.pop(vq, None)
         if task is not None:
             task.cancel()
         vh = self.broker.vhosts.get(vq[0])
         q = vh.queues.get(vq[1]) if vh is not None else None
-        if q is None:
+        if vh is None or q is None:
             return
-        q.storage = None
+        q.stop_serving()
         if not q.durable or q.exclusive:
-            # Nothing of it is stored: it cannot move, it goes.
-            self._apply(lambda: vh._drop_queue(q))  # type: ignore[union-attr]
+            # Nothing of it is stored: it cannot move, it goes (its consumers get basic.cancel).
+            self._apply(functools.partial(vh.drop_queue, q))
             return
         if isinstance(q, StreamQueue):
             # A stream's in-memory log and readers belong to its owner: start
@@ -693,10 +734,6 @@ class EtcdCluster:
             log.warning("stopped serving stream", extra={"vhost": vq[0], "queue": vq[1],
                                                           "new_owner": new_owner or "-"})
             return
-        for ch in q.channels:
-            ch.cancel_timers()
-            ch.ready.clear()
-            ch.ready_bytes = 0
         self._become_remote(q, new_owner)
         log.warning("stopped serving queue", extra={"vhost": vq[0], "queue": vq[1], "new_owner": new_owner or "-"})
 
@@ -707,7 +744,7 @@ class EtcdCluster:
         if vh is None or meta is None or q is None:
             return
         held = q.remote.detach() if q.remote is not None else []
-        self._apply(functools.partial(vh._drop_queue, q))
+        self._apply(functools.partial(vh.drop_queue, q))
         self._queue_event(vq[0], vq[1], meta)
         fresh = vh.queues.get(vq[1])
         if fresh is None:
@@ -723,16 +760,15 @@ class EtcdCluster:
         """Serve ``q`` through its owner from now on; publishes held so far follow."""
         held = q.remote.detach() if q.remote is not None else []
         remote = QueueRemote(q, self.peers, owner)
-        q.remote = remote
-        q.cancel_expiry()  # x-expires runs on the owner only
+        q.set_remote(remote)
         remote.adopt(held)
 
     def fenced(self, queues: list[tuple[str, str]]) -> None:
         """The store refused a batch: a newer owner holds these queues."""
         for vq in queues:
-            if vq in self.serving:
+            if self.ownership.owning(vq):
                 owner = self.mirror.owners.get(vq)
-                self._release(vq, owner[0] if owner and owner[0] != self.node_id else None)
+                self._lose(vq, owner[0] if owner and owner[0] != self.node_id else None)
 
     async def _give_up(self, vq: tuple[str, str]) -> bool:
         """Delete our owner key of ``vq``; False when it is not ours (any more) or etcd did not answer."""
@@ -762,7 +798,7 @@ class EtcdCluster:
         return min(candidates, key=lambda n: (counts.get(n.id, 0), n.id))
 
     def _elect(self, vq: tuple[str, str], anyone: bool = False) -> None:
-        if self.fenced_self or self._stopping or vq in self.mirror.owners:
+        if self.lease.lost or self._stopping or vq in self.mirror.owners:
             return
         chosen = self._placement()
         if chosen is None:
@@ -797,7 +833,7 @@ class EtcdCluster:
         last_info = b""
         while True:
             await asyncio.sleep(1.0)
-            if self.fenced_self or self._stopping:
+            if self.lease.lost or self._stopping:
                 continue
             now = time.monotonic()
             for vq, meta in list(self.mirror.queues.items()):
@@ -808,7 +844,7 @@ class EtcdCluster:
                         self._elect(vq, anyone=now - since > 3 * self.settings.lease_ttl)
                     elif meta.get("node") not in self.mirror.nodes:
                         await self._delete_dead_queue(vq)
-                elif owner[0] == self.node_id and vq not in self.serving:
+                elif owner[0] == self.node_id and not self.ownership.owning(vq):
                     self._start_takeover(vq, owner[1])
                 elif owner[0] != self.node_id and owner[0] not in self.mirror.nodes:
                     pass  # its lease is about to expire; the delete event follows
@@ -830,10 +866,10 @@ class EtcdCluster:
         while True:
             vh = self.broker.vhosts.get(vhost)
             q = vh.queues.get(queue) if vh is not None else None
-            if q is not None and q.remote is None and not q.deleted and self.serving.get(vq) == "ready":
+            if q is not None and q.remote is None and not q.deleted and self.ownership.serving(vq):
                 return q
             owner = self.mirror.owners.get(vq)
-            mine = self.serving.get(vq) is not None or (owner is not None and owner[0] == self.node_id)
+            mine = self.ownership.owning(vq) or (owner is not None and owner[0] == self.node_id)
             if not mine and (owner is not None or vq in self._tombstones):
                 # Another node's, or deleted: answer now. (Waiting here would
                 # hold up every batch behind this one on the peer's stream.)
@@ -908,14 +944,14 @@ class EtcdCluster:
         with contextlib.suppress(Exception):
             await asyncio.wait_for(self._put_node_info(), OP_TIMEOUT)
         moved = 0
-        for vq in sorted(self.serving):
+        for vq in self.ownership.owned(OwnershipState.SERVING):
             vh = self.broker.vhosts.get(vq[0])
             q = vh.queues.get(vq[1]) if vh is not None else None
             if q is None or not q.durable or q.exclusive:
                 continue
             target = self._placement(exclude=self.node_id)
             if target is None:
-                log.warning("no other node to hand queues to", extra={"queues": len(self.serving)})
+                log.warning("no other node to hand queues to", extra={"queues": len(self.ownership)})
                 break
             if await self._hand_over(vq, q, target):
                 moved += 1
@@ -926,17 +962,21 @@ class EtcdCluster:
     async def _hand_over(self, vq: tuple[str, str], q: Queue, target: NodeInfo) -> bool:
         # Hold new publishes, let what is committed-pending reach the store,
         # then give the key to the target (a new key: a new, higher epoch).
+        if self.ownership.state(vq) is not OwnershipState.SERVING:
+            return False  # lost (or deleted) while the queues before it moved
         gate = LoadingGate(q, self.peers)
-        q.remote = gate
-        self.serving[vq] = "moving"
+        q.set_remote(gate)
+        self.ownership.release(vq)
         try:
             await asyncio.wait_for(self.committer.drain(), 10)
         except TimeoutError:
             pass
         if not await self._give_up(vq):
-            q.remote = None
-            self.serving[vq] = "ready"
-            self._flush_held(q, gate.detach())
+            if self.ownership.state(vq) is OwnershipState.RELEASING and q.remote is gate:
+                q.set_remote(None)
+                self.ownership.serve(vq)  # refused: serve on
+                self._flush_held(q, gate.detach())
+                q.touch()
             return False
         # While we waited for etcd, the delete's watch event may already have
         # released the queue here, and the next owner's key may have arrived
@@ -945,8 +985,8 @@ class EtcdCluster:
         current = self.mirror.owners.get(vq)
         if current is not None and current[0] == self.node_id:
             self.mirror.owners.pop(vq, None)
-        if vq in self.serving:
-            self._release(vq, None)  # the gate's held publishes follow to the next owner
+        if self.ownership.state(vq) is OwnershipState.RELEASING:
+            self._hand_back(vq, None)  # the gate's held publishes follow to the next owner
         if vq not in self.mirror.owners:  # a lost race to another node is fine: someone owns it
             await self._acquire(vq, target.id, target.lease)
         return True
@@ -1068,7 +1108,7 @@ class EtcdCluster:
         if vq not in self.mirror.queues:
             return
         self.mirror.queues.pop(vq, None)
-        self.serving.pop(vq, None)
+        self.ownership.forget(vq)
 
         async def remove() -> None:
             t = self.client.transactions
@@ -1172,7 +1212,7 @@ class EtcdCluster:
     async def get(self, queue: Queue, no_ack: bool) -> tuple[QueuedMessage | None, int]:
         if queue.remote is None:
             qm = queue.default.get(no_ack)
-            return qm, len(queue.default.ready)
+            return qm, queue.message_count
         link = self._link_for(queue)
         await link.barrier()
         result: tuple[QueuedMessage | None, int] = await link.get(queue.vhost, queue.name, no_ack)

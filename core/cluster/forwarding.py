@@ -812,8 +812,11 @@ class QueueRemote:
 class LoadingGate(QueueRemote):
     """This node is taking the queue over: hold publishes until the backlog is loaded."""
 
-    def __init__(self, queue: Queue, peers: Peers) -> None:
+    def __init__(self, queue: Queue, peers: Peers, held: list[tuple[Message, list[Forwarded]]] | None = None) -> None:
         super().__init__(queue, peers, None)
+        # What an earlier stand-in held waits here too, without the ownerless timer:
+        # the load decides, not OWNERLESS_TIMEOUT.
+        self._held.extend(held or ())
 
     def reachable(self) -> bool:
         return False  # being loaded here: served once the take-over completes

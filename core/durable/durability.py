@@ -127,6 +127,8 @@ class Durability:
             return await self.restore_stream(q, node)
         assert q.storage is not None
         stored = await self.store.load_messages(q.storage.vhost, q.storage.name)
+        if not q.lease_valid():
+            return 0  # the lease ran out while the store answered: the queue was given up meanwhile
         for sm in stored:
             q.restore(_restored(sm, node), sm.offset, sm.expires_at, sm.delivery_count)
         return len(stored)
@@ -143,6 +145,8 @@ class Durability:
         limit = 256  # grows while pages stay small, shrinks for large bodies
         while True:
             page = await self.store.load_range(q.storage.vhost, q.storage.name, start, None, limit)
+            if not q.lease_valid() or q.storage is None:
+                return loaded  # given up meanwhile (see load)
             size = 0
             for sm in page:
                 q.restore(_restored(sm, node), sm.offset, None, 0)
@@ -152,7 +156,10 @@ class Durability:
                 break
             start = page[-1].offset + 1
             limit = min(limit * 2, RESTORE_PAGE) if size < RESTORE_PAGE_BYTES else max(1, limit // 2)
-        q.committed = await self.store.load_offsets(q.storage.vhost, q.storage.name)
+        committed = await self.store.load_offsets(q.storage.vhost, q.storage.name)
+        if not q.lease_valid():
+            return loaded
+        q.committed = committed
         q.enforce_age()  # for the time the node was down
         return loaded
     async def restore_users(self, broker: Broker) -> None:

@@ -23,6 +23,7 @@ from core.model.message import Message, QueuedMessage
 if TYPE_CHECKING:
     from core.cluster.forwarding import QueueRemote  # the coordinator sets and reads the concrete type
     from core.durable.durability import QueueStorage
+    from core.engine.ownership import Lease
 
 # Why a message left a queue without being acknowledged (x-death "reason").
 REJECTED = "rejected"
@@ -117,6 +118,9 @@ class QueueChannel:
         For batches from another node (core/forwarding.py): once the consumers
         are out of credit, ``push`` would try them again for every message.
         """
+        lease = self.queue.lease
+        if lease is not None and not lease.valid():
+            return  # the node's lease ran out: the queue was just given up, its new owner serves these
         start = 0
         if self.consumers:
             # As push: while nothing waits, straight to a consumer with credit.
@@ -188,6 +192,9 @@ class QueueChannel:
         """Hand ready messages to consumers that have credit, round robin."""
         if self._dispatching:
             return
+        lease = self.queue.lease
+        if lease is not None and not lease.valid():
+            return  # see Queue.guard: the queue was just given up, nothing more is delivered here
         self._dispatching = True
         try:
             ready = self.ready
@@ -219,6 +226,9 @@ class QueueChannel:
 
     def get(self, no_ack: bool) -> QueuedMessage | None:
         """basic.get: the next ready message that has not expired, or None."""
+        lease = self.queue.lease
+        if lease is not None and not lease.valid():
+            return None
         self.expire()
         if not self.ready:
             return None
@@ -274,6 +284,11 @@ class QueueChannel:
     # -- settlement ------------------------------------------------------------
     def settle(self, qm: QueuedMessage, consumer: Consumer | None) -> None:
         """An unacked delivery is done with (acked, or rejected without requeue)."""
+        lease = self.queue.lease
+        if lease is not None:
+            # A late ack after the lease ran out: the check gives the queue up
+            # first, so the ack reaches neither the store nor the consumers.
+            lease.valid()
         self.unacked -= 1
         if consumer is not None:
             consumer.unacked -= 1
@@ -298,6 +313,9 @@ class QueueChannel:
 
     def requeue(self, items: Iterable[tuple[QueuedMessage, Consumer | None]]) -> None:
         """Put unacked deliveries back in their original order, marked redelivered."""
+        lease = self.queue.lease
+        if lease is not None:
+            lease.valid()  # as settle: a queue given up takes nothing back
         back: list[QueuedMessage] = []
         for qm, consumer in items:
             self.unacked -= 1
@@ -436,7 +454,11 @@ class Queue:
         self.storage: QueueStorage | None = None
         # Cluster: set while another node owns the queue (or it is being taken
         # over); publishes go there and consumers are served through a proxy.
+        # Set through set_remote (core/engine/ownership.py says when).
         self.remote: QueueRemote | None = None
+        # The lease this node serves the queue under, while it owns it in a
+        # cluster (see guard); None when nothing can take the queue away.
+        self.lease: Lease | None = None
         # Offsets retention removed while they may be delivered and unacked: such a
         # message is dropped instead of requeued (drop_offsets).
         self.retained: set[int] = set()
@@ -463,6 +485,9 @@ class Queue:
 
     def enqueue(self, message: Message) -> bool:
         """Add ``message``; False when the queue refused it (x-overflow reject-publish*)."""
+        lease = self.lease
+        if lease is not None and not lease.valid() and self.deleted:
+            return False  # the lease ran out and the queue went with it (nothing of it was stored)
         if self.remote is not None:
             self.remote.forward(message)
             return True
@@ -485,6 +510,9 @@ class Queue:
 
     def enqueue_many(self, messages: list[Message]) -> list[bool]:
         """``enqueue`` each of ``messages`` in order (a batch another node forwarded)."""
+        lease = self.lease
+        if lease is not None and not lease.valid():
+            return [self.enqueue(m) for m in messages]  # given up just now: on to the new owner
         if (self.remote is not None or self._limited or len(self.channels) != 1
                 or type(self).enqueue is not Queue.enqueue):  # limits, filters, a stream's own enqueue
             return [self.enqueue(m) for m in messages]
@@ -654,6 +682,53 @@ class Queue:
 
     def purge(self) -> int:
         return sum(ch.purge() for ch in self.channels)
+
+    # -- ownership (core/engine/ownership.py decides; a coordinator calls these) ----
+    def guard(self, lease: Lease | None) -> None:
+        """Serve only while ``lease`` holds (None: nothing to check).
+
+        Enqueue, delivery, settlement and get check it first: one clock read
+        per call, on queues a cluster node owns only.
+        """
+        self.lease = lease
+
+    def lease_valid(self) -> bool:
+        """May this node serve the queue now? (Past the lease, the check itself gives it up.)"""
+        lease = self.lease
+        return lease is None or lease.valid()
+
+    def set_remote(self, remote: QueueRemote | None) -> QueueRemote | None:
+        """What stands in for the owner from now on (a proxy, a loading gate; None: served here); the one before."""
+        previous, self.remote = self.remote, remote
+        if remote is not None:
+            self.cancel_expiry()  # x-expires runs on the owner only
+        return previous
+
+    def attach_storage(self, storage: QueueStorage | None) -> None:
+        """Write through ``storage`` (its epoch fences every write) from now on."""
+        self.storage = storage
+
+    def detach_storage(self) -> QueueStorage | None:
+        """Stop writing to the store (what is stored stays for the next owner); the storage it had."""
+        storage, self.storage = self.storage, None
+        return storage
+
+    def reset_ready(self) -> None:
+        """Forget every ready message and its timers: a new owner's copy comes from the store."""
+        for ch in self.channels:
+            ch.cancel_timers()
+            ch.ready.clear()
+            ch.ready_bytes = 0
+
+    def stop_serving(self) -> None:
+        """This node no longer owns the queue: no lease, no store, nothing ready here.
+
+        Unacked deliveries stay with their consumers; their acks then change
+        nothing (the store is detached) and the next owner redelivers them.
+        """
+        self.lease = None
+        self.storage = None
+        self.reset_ready()
 
     def delete(self) -> int:
         """Mark deleted, cancel every consumer and timer; return the ready count dropped."""

@@ -153,9 +153,10 @@ class VirtualHost:
             return  # deletes are idempotent, as in RabbitMQ
         if if_unused and x.bindings:
             raise PreconditionFailed(f"exchange '{name}' in vhost '{self.name}' in use")
-        self._drop_exchange(x)
+        self.drop_exchange(x)
 
-    def _drop_exchange(self, x: Exchange) -> None:
+    def drop_exchange(self, x: Exchange) -> None:
+        """Remove ``x`` and every binding to it, with no checks (a coordinator applying a delete it agreed)."""
         x.deleted = True
         self.exchanges.pop(x.name, None)
         x.bindings.clear()
@@ -258,9 +259,10 @@ class VirtualHost:
             raise PreconditionFailed(f"queue '{name}' in vhost '{self.name}' in use")
         if if_empty and q.message_count:
             raise PreconditionFailed(f"queue '{name}' in vhost '{self.name}' not empty")
-        return self._drop_queue(q)
+        return self.drop_queue(q)
 
-    def _drop_queue(self, q: Queue) -> int:
+    def drop_queue(self, q: Queue) -> int:
+        """Remove ``q``, cancel its consumers (basic.cancel) and its bindings; the ready count dropped."""
         if q.deleted:
             return 0
         self.queues.pop(q.name, None)
@@ -290,11 +292,11 @@ class VirtualHost:
         log.warning("queue abandoned: another owner holds it", extra={"vhost": self.name, "queue": name})
 
     def _queue_unused(self, q: Queue) -> None:
-        self._drop_queue(q)
+        self.drop_queue(q)
 
     def drop_exclusive_queues(self, owner: object) -> None:
         for q in [q for q in self.queues.values() if q.exclusive_owner is owner]:
-            self._drop_queue(q)
+            self.drop_queue(q)
 
     def purge_queue(self, name: str, owner: object) -> int:
         return self.get_queue(name, owner).purge()
@@ -332,7 +334,7 @@ class VirtualHost:
         if self.durability is not None:
             self.durability.binding_changed(self, b, added=False)
         if x.auto_delete and not x.bindings and not x.deleted:
-            self._drop_exchange(x)
+            self.drop_exchange(x)
             for observer in list(self.on_exchange_auto_deleted):
                 observer(self, x)
 
