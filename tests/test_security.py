@@ -1,0 +1,188 @@
+"""Unit tests of the security pieces: password records, the login throttle, SASL EXTERNAL, cluster tokens."""
+
+from __future__ import annotations
+
+import base64
+import hashlib
+import logging
+
+import pytest
+from pamqp import commands
+
+from core.cluster.auth import WINDOW, PeerAuth
+from core.engine import passwords
+from core.engine.broker import Broker, User
+from core.engine.login_throttle import MAX_DELAY, LoginThrottle
+from core.model.clock import ManualScheduler
+from core.model.ratelog import RateLimitedLog
+from leveret.config import ConfigError, NodeConfig, load, validate
+from tests.amqp_client import Client, plain
+
+REMOTE = ("10.9.8.7", 40000)
+
+
+# -- password records -------------------------------------------------------------------------
+def test_new_passwords_are_argon2id() -> None:
+    user = User.create("u", "s3cret")
+    assert user.salt == b"" and user.password_hash.startswith(b"$argon2id$v=19$m=19456,t=2,p=1$")
+    assert b"s3cret" not in user.password_hash
+    assert passwords.verify(user.salt, user.password_hash, "s3cret") == (True, False)
+    assert passwords.verify(user.salt, user.password_hash, "S3cret") == (False, False)
+
+
+def _legacy(password: str) -> tuple[bytes, bytes]:
+    salt = b"0123456789abcdef"
+    return salt, hashlib.pbkdf2_hmac("sha256", password.encode(), salt, 1)
+
+
+def _rabbit(password: str) -> tuple[bytes, bytes]:
+    raw = base64.b64decode(base64.b64encode(b"\x01\x02\x03\x04" + hashlib.sha256(b"\x01\x02\x03\x04"
+                                                                                   + password.encode()).digest()))
+    return raw[:4], raw[4:]
+
+
+@pytest.mark.parametrize("old", [_legacy, _rabbit], ids=["pbkdf2-1-iteration", "rabbit_password_hashing_sha256"])
+def test_old_records_verify_and_are_rehashed_on_login(old: object) -> None:
+    broker = Broker(default_user=None)
+    salt, record = old("pw")  # type: ignore[operator]
+    broker.users["old"] = user = User("old", salt, record, vhosts={"/"})
+    saved: list[User] = []
+    broker.on_user_rehashed.append(saved.append)
+    with pytest.raises(Exception, match="refused"):
+        broker.authenticate("old", "wrong", None)
+    assert user.password_hash == record and not saved  # a wrong password changes nothing
+    assert broker.authenticate("old", "pw", None) is user
+    assert saved == [user] and user.salt == b"" and user.password_hash.startswith(b"$argon2id$")
+    assert broker.authenticate("old", "pw", None) is user and saved == [user]  # once
+
+
+def test_the_core_fallback_is_pbkdf2_600k_and_reads_back() -> None:
+    kdf = passwords.Pbkdf2Sha256(iterations=1000)  # the format; 600,000 iterations take 280 ms
+    record = kdf.hash("pw")
+    assert record.startswith(b"$pbkdf2-sha256$1000$")
+    assert kdf.verify(record, "pw") and not kdf.verify(record, "px")
+    assert passwords.Pbkdf2Sha256().outdated(record) and not kdf.outdated(record)
+    # A fallback record verifies under argon2 too, and asks to be upgraded.
+    default = passwords.Pbkdf2Sha256()
+    full = default.hash("pw")
+    assert passwords.verify(b"", full, "pw") == (True, True)
+
+
+# -- the login throttle -----------------------------------------------------------------------
+def test_throttle_grows_per_address_and_forgets() -> None:
+    now = [0.0]
+    t = LoginThrottle(clock=lambda: now[0])
+    delays = [t.failed("10.0.0.1") for _ in range(12)]
+    assert delays[0] == 0.0 and delays[1] == pytest.approx(0.1) and delays[2] == pytest.approx(0.2)
+    assert delays == sorted(delays) and delays[-1] == MAX_DELAY
+    assert t.failed("10.0.0.2") == 0.0  # per address
+    assert t.failed(None) == 0.0
+    now[0] += 301
+    assert t.delay("10.0.0.1") == 0.0 and t.failed("10.0.0.1") == 0.0
+
+
+def test_amqp_refusals_are_delayed_and_a_right_password_still_gets_in() -> None:
+    clock = ManualScheduler()
+    broker = Broker(default_user=None, scheduler=clock)
+    broker.add_user("alice", "right", vhosts={"/"})
+
+    def attempt(password: str) -> Client:
+        c = Client(broker, peer=REMOTE)
+        c.send_raw(b"AMQP\x00\x00\x09\x01")
+        c.read()
+        c.send(0, commands.Connection.StartOk(client_properties={"capabilities": {
+            "authentication_failure_close": True}}, mechanism="PLAIN", response=plain("alice", password)))
+        return c
+
+    first = attempt("wrong")
+    assert isinstance(first.read()[0][1], commands.Connection.Close)  # a first typo: at once
+    second = attempt("wrong")
+    assert second.read() == []  # held back ...
+    clock.advance(0.05)
+    assert second.read() == []
+    clock.advance(0.06)
+    reply = second.read()
+    assert isinstance(reply[0][1], commands.Connection.Close) and reply[0][1].reply_code == 403  # ... then refused
+    ok = attempt("right")
+    assert isinstance(ok.read()[0][1], commands.Connection.Tune)  # no wait for the right password
+
+
+# -- SASL EXTERNAL ------------------------------------------------------------------------------
+def _start(identity: str | None, broker: Broker) -> tuple[Client, commands.Connection.Start]:
+    c = Client(broker, peer=REMOTE)
+    c.conn.peer_identity = identity
+    c.send_raw(b"AMQP\x00\x00\x09\x01")
+    return c, c.read()[0][1]
+
+
+def test_external_is_offered_only_with_a_verified_certificate() -> None:
+    broker = Broker(default_user=None)
+    broker.add_user("certuser", "unused", vhosts={"/"})
+    _, start = _start(None, broker)
+    assert "EXTERNAL" not in start.mechanisms.split()
+    c, start = _start("certuser", broker)
+    assert "EXTERNAL" in start.mechanisms.split()
+    tune = c.expect(0, commands.Connection.StartOk(mechanism="EXTERNAL", response=""), commands.Connection.Tune)
+    assert tune and c.conn.username == "certuser"
+    stranger, _ = _start("nobody", broker)
+    stranger.send(0, commands.Connection.StartOk(mechanism="EXTERNAL", response="",
+                                                 client_properties={"capabilities": {
+                                                     "authentication_failure_close": True}}))
+    assert isinstance(stranger.read()[0][1], commands.Connection.Close)
+    plain_client, _ = _start(None, broker)
+    plain_client.send(0, commands.Connection.StartOk(mechanism="EXTERNAL", response="certuser",
+                                                     client_properties={"capabilities": {
+                                                         "authentication_failure_close": True}}))
+    refused = plain_client.read()[0][1]
+    assert isinstance(refused, commands.Connection.Close) and "unsupported" in refused.reply_text
+
+
+# -- cluster tokens -----------------------------------------------------------------------------
+def test_cluster_tokens_are_single_use_and_time_bound() -> None:
+    now = [1000.0]
+    a = PeerAuth(secret=b"s" * 32, clock=lambda: now[0])
+    b = PeerAuth(secret=b"s" * 32, clock=lambda: now[0])
+    md = a.metadata(())
+    assert b.refusal(md) is None
+    assert b.refusal(md) == "cluster credentials replayed"
+    assert b.refusal(()) is not None
+    assert b.refusal(PeerAuth(secret=b"t" * 32).metadata(())) == "wrong cluster secret"
+    old = a.metadata(())
+    now[0] += WINDOW + 1
+    assert "old" in (b.refusal(old) or "")
+    forged = ((k, v[:-1] + ("0" if v[-1] != "0" else "1")) for k, v in a.metadata(()))
+    assert b.refusal(tuple(forged)) == "wrong cluster secret"
+    with pytest.raises(ValueError):
+        PeerAuth()
+
+
+def test_rate_limited_log_says_how_many_it_kept_back(caplog: pytest.LogCaptureFixture) -> None:
+    now = [0.0]
+    r = RateLimitedLog(logging.getLogger("t.ratelog"), interval=10, clock=lambda: now[0])
+    with caplog.at_level(logging.WARNING, logger="t.ratelog"):
+        assert [r.warning("h", "refused") for _ in range(4)] == [True, False, False, False]
+        assert r.warning("other", "refused")
+        now[0] = 11
+        assert r.warning("h", "refused")
+    assert len(caplog.records) == 3 and caplog.records[-1].repeats_not_logged == 3  # type: ignore[attr-defined]
+
+
+# -- configuration ------------------------------------------------------------------------------
+def test_cluster_mode_needs_a_secret_or_certificates() -> None:
+    base = {"etcd": "http://127.0.0.1:2379", "store": "postgres", "postgres_dsn": "postgresql://x"}
+    with pytest.raises(ConfigError, match="--cluster-secret-file"):
+        validate(load(None, base, environ={}))
+    validate(load(None, {**base, "cluster_secret_file": "/s"}, environ={}))
+    with pytest.raises(ConfigError, match="--cluster-tls-key"):
+        validate(load(None, {**base, "cluster_tls_cert": "/c"}, environ={}))
+
+
+def test_tls_options() -> None:
+    assert NodeConfig().resolved_amqps_port == 0
+    cfg = load(None, {"tls_cert": "/c", "tls_key": "/k"}, environ={"LEVERET_TLS_FAIL_IF_NO_PEER_CERT": "true"})
+    assert cfg.resolved_amqps_port == 5671 and cfg.tls_fail_if_no_peer_cert is True
+    assert load(None, {"tls_cert": "/c", "tls_key": "/k", "amqps_port": 0}, environ={}).resolved_amqps_port == 0
+    with pytest.raises(ConfigError, match="--tls-ca"):
+        validate(load(None, {"tls_cert": "/c", "tls_key": "/k", "tls_verify": "peer"}, environ={}))
+    with pytest.raises(ConfigError, match="true or false"):
+        load(None, {}, environ={"LEVERET_GRPC_TLS": "maybe"})
