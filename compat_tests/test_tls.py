@@ -225,27 +225,33 @@ def test_external_is_not_offered_on_the_plain_port(peer_node: TLSNode) -> None:
 
 
 def test_sighup_serves_the_new_certificate_to_new_connections(certs: Certs) -> None:
-    node = _start(certs)
+    node = _start(certs, "--grpc-tls")
     try:
-        def served() -> bytes:
-            with socket.create_connection(("127.0.0.1", node.amqps_port), timeout=5) as raw, \
-                    certs.client_context().wrap_socket(raw, server_hostname="127.0.0.1") as s:
+        def served(port: int) -> bytes:
+            ctx = certs.client_context()
+            ctx.set_alpn_protocols(["h2"])  # what a gRPC client offers; AMQPS ignores it
+            with socket.create_connection(("127.0.0.1", port), timeout=5) as raw, \
+                    ctx.wrap_socket(raw, server_hostname="127.0.0.1") as s:
                 cert = s.getpeercert(binary_form=True)
                 assert cert is not None
                 return cert
 
-        before = served()
+        ports = (node.amqps_port, node.grpc_port)
+        before = [served(p) for p in ports]
         fresh = certs.ca.issue_cert("127.0.0.1", common_name="renewed")
         fresh.private_key_pem.write_to_path(str(certs.server_key))
         certs.server_cert.write_bytes(b"".join(blob.bytes() for blob in fresh.cert_chain_pems))
-        assert served() == before  # nothing changes until told
+        assert [served(p) for p in ports] == before  # nothing changes until told
         assert node.proc is not None
         node.proc.send_signal(signal.SIGHUP)
-        deadline = time.monotonic() + 10
-        while served() == before:
-            assert time.monotonic() < deadline, "the new certificate was not served after SIGHUP"
-            time.sleep(0.1)
-        assert ssl.DER_cert_to_PEM_cert(served()).encode() == fresh.cert_chain_pems[0].bytes()
+        for port, old in zip(ports, before, strict=True):
+            deadline = time.monotonic() + 10
+            while served(port) == old:
+                assert time.monotonic() < deadline, f"port {port} did not serve the new certificate after SIGHUP"
+                time.sleep(0.1)
+            assert ssl.DER_cert_to_PEM_cert(served(port)).encode() == fresh.cert_chain_pems[0].bytes()
+        with Client(f"127.0.0.1:{node.grpc_port}", ca=str(certs.ca_file), timeout=10) as c:
+            c.create_queue("after-reload", exist_ok=True)  # and gRPC still works with it
     finally:
         node.terminate()
 

@@ -7,6 +7,7 @@ import gc
 import logging
 import os
 import signal
+from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -63,6 +64,8 @@ class Node:
         if config.tls_cert:
             self.tls = ServerTLS(TLSFiles(config.tls_cert, config.tls_key, config.tls_ca, config.tls_verify,
                                           config.tls_fail_if_no_peer_cert))
+        self._grpc_renewed: object = None  # a gRPC certificate configuration waiting for the next handshake
+        self._grpc_current: Callable[[], object] | None = None
         self.broker.on_user_rehashed.append(self._save_rehashed)
         StreamQueue.memory_limit = config.stream_memory_bytes
 
@@ -88,13 +91,25 @@ class Node:
         log.info("password record upgraded", extra={"user": user.name})
 
     def _grpc_credentials(self) -> grpc.ServerCredentials | None:
+        """--grpc-tls: the node's certificate on the gRPC port too, renewed by SIGHUP as for AMQPS."""
         if not self.config.grpc_tls or self.tls is None:
             return None
         import grpc
 
-        key, chain, ca = self.tls.pem()
-        return grpc.ssl_server_credentials([(key, chain)], root_certificates=ca,
-                                           require_client_auth=self.config.tls_fail_if_no_peer_cert)
+        tls = self.tls
+
+        def current() -> grpc.ServerCertificateConfiguration:
+            key, chain, ca = tls.pem()
+            return grpc.ssl_server_certificate_configuration([(key, chain)], root_certificates=ca)
+
+        def fetch() -> grpc.ServerCertificateConfiguration | None:
+            # gRPC asks before each handshake; a reload leaves the new files here once.
+            pending, self._grpc_renewed = self._grpc_renewed, None
+            return pending
+
+        self._grpc_current = current
+        return grpc.dynamic_ssl_server_credentials(
+            current(), fetch, require_client_authentication=self.config.tls_fail_if_no_peer_cert)
 
     def _peer_auth(self) -> PeerAuth:
         from core.cluster.auth import ClusterTLS, PeerAuth
@@ -224,7 +239,11 @@ class Node:
         if self.tls is None:
             log.info("SIGHUP: no TLS certificate configured, nothing to reload")
             return
-        self.tls.reload()
+        if self.tls.reload() and self._grpc_current is not None:
+            try:
+                self._grpc_renewed = self._grpc_current()
+            except OSError as exc:
+                log.error("gRPC certificate reload failed", extra={"error": str(exc)})
 
     def watermark_bytes(self) -> int:
         mark = self.config.memory_high_watermark
