@@ -1,9 +1,9 @@
 """Server TLS contexts from the node's options, and their reload without restart.
 
-Choices (docs/SECURITY.md): TLS 1.2 and 1.3 only; the ssl module's default
-ciphers (OpenSSL's "@SECLEVEL=2" list: ECDHE/DHE with AES-GCM or ChaCha20 for
-1.2, every 1.3 suite; no RC4, 3DES, CBC-SHA1 export or anonymous suites),
-compression off, tickets as OpenSSL defaults. ``--tls-verify peer`` asks
+Choices (docs/SECURITY.md): TLS 1.2 and 1.3 only; for 1.2, Mozilla's
+"intermediate" suites (forward-secret key exchange, AEAD ciphers only: the
+ssl module's defaults less its CBC-SHA256/384 suites); every 1.3 suite (OpenSSL
+allows only AEAD ones); compression off. ``--tls-verify peer`` asks
 clients for a certificate and checks it against ``--tls-ca``; with
 ``--tls-fail-if-no-peer-cert`` one without a certificate is refused in the
 handshake, else it may still log in with a password.
@@ -21,6 +21,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 log = logging.getLogger("leveret.tls")
+
+TLS12_CIPHERS = "ECDHE+AESGCM:ECDHE+CHACHA20:DHE+AESGCM:DHE+CHACHA20:!aNULL:!eNULL:!aDSS:@SECLEVEL=2"
 
 
 @dataclass(frozen=True)
@@ -42,6 +44,7 @@ class ServerTLS:
         self.context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
         self.context.minimum_version = ssl.TLSVersion.TLSv1_2
         self.context.options |= ssl.OP_NO_COMPRESSION
+        self.context.set_ciphers(TLS12_CIPHERS)
         if files.verifies_peers:
             self.context.verify_mode = ssl.CERT_REQUIRED if files.fail_if_no_peer_cert else ssl.CERT_OPTIONAL
         self._load()

@@ -186,3 +186,27 @@ def test_tls_options() -> None:
         validate(load(None, {"tls_cert": "/c", "tls_key": "/k", "tls_verify": "peer"}, environ={}))
     with pytest.raises(ConfigError, match="true or false"):
         load(None, {}, environ={"LEVERET_GRPC_TLS": "maybe"})
+
+
+def test_server_tls_is_1_2_plus_with_aead_forward_secret_suites(tmp_path: object) -> None:
+    import ssl
+    from pathlib import Path
+
+    import trustme
+
+    from leveret.tls import ServerTLS, TLSFiles
+
+    root = Path(str(tmp_path))
+    ca = trustme.CA()
+    leaf = ca.issue_cert("127.0.0.1")
+    leaf.cert_chain_pems[0].write_to_path(str(root / "c.pem"))
+    leaf.private_key_pem.write_to_path(str(root / "k.pem"))
+    ca.cert_pem.write_to_path(str(root / "ca.pem"))
+    tls = ServerTLS(TLSFiles(str(root / "c.pem"), str(root / "k.pem"), str(root / "ca.pem"), "peer", True))
+    ctx = tls.context
+    assert ctx.minimum_version == ssl.TLSVersion.TLSv1_2 and ctx.verify_mode == ssl.CERT_REQUIRED
+    for c in ctx.get_ciphers():
+        assert c["protocol"] == "TLSv1.3" or (c["aead"] and c["kea"] in ("kx-ecdhe", "kx-dhe")), c["name"]
+    assert ServerTLS(TLSFiles(str(root / "c.pem"), str(root / "k.pem"))).reload() is True
+    (root / "k.pem").write_text("not a key")
+    assert tls.reload() is False  # a broken file keeps the old certificate
