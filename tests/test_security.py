@@ -210,3 +210,18 @@ def test_server_tls_is_1_2_plus_with_aead_forward_secret_suites(tmp_path: object
     assert ServerTLS(TLSFiles(str(root / "c.pem"), str(root / "k.pem"))).reload() is True
     (root / "k.pem").write_text("not a key")
     assert tls.reload() is False  # a broken file keeps the old certificate
+
+
+def test_an_unknown_user_costs_a_kdf_run_too() -> None:
+    import time
+
+    broker = Broker(default_user=None)
+    broker.add_user("known", "pw", vhosts={"/"})
+    timings = {}
+    for name in ("known", "nobody"):
+        started = time.perf_counter()
+        for _ in range(3):
+            with pytest.raises(Exception, match="refused"):
+                broker.authenticate(name, "wrong", None)
+        timings[name] = time.perf_counter() - started
+    assert timings["nobody"] > timings["known"] / 3, timings  # ~equal; a skipped KDF would be ~1000x faster

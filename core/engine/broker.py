@@ -110,6 +110,8 @@ class Broker:
         """The user, or AccessRefused; a failure counts against ``peer_host`` (``login_throttle``)."""
         user = self.users.get(username)
         ok, rehash = passwords.verify(user.salt, user.password_hash, password) if user else (False, False)
+        if user is None:
+            passwords.waste(password)  # as long as a wrong password: user names stay unknown
         if user is None or not ok:
             self.login_throttle.failed(peer_host)
             raise AccessRefused("Login was refused using authentication mechanism PLAIN")

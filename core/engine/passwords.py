@@ -66,12 +66,22 @@ def _b64(raw: bytes) -> bytes:
 
 _fallback = Pbkdf2Sha256()
 _kdf: PasswordKDF = _fallback
+_dummy: bytes | None = None  # a record of the current KDF that no password matches
 
 
 def install(kdf: PasswordKDF) -> None:
     """Make ``kdf`` hash every new password (the node installs argon2id at start)."""
-    global _kdf
+    global _kdf, _dummy
     _kdf = kdf
+    _dummy = None
+
+
+def waste(password: str) -> None:
+    """Spend what a check would (a login naming no user), so the answer's timing does not tell."""
+    global _dummy
+    if _dummy is None:
+        _dummy = _kdf.hash(os.urandom(16).hex())
+    _kdf.verify(_dummy, password)
 
 
 def new_record(password: str) -> tuple[bytes, bytes]:
