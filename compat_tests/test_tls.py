@@ -26,7 +26,8 @@ import pytest
 import trustme
 
 from compat_tests.node_process import REPO_ROOT, NodeProcess, _python, node_env
-from leveret.client import Client, LeveretError
+from leveret.client import AsyncClient, Client, LeveretError
+from leveret.streams_client import StreamsClient
 from tests.ports import free_port
 
 CERT_USER = "certuser"
@@ -265,6 +266,13 @@ def test_grpc_client_over_tls(tls_node: TLSNode, certs: Certs) -> None:
         m = sub.get(timeout=10)
         assert m is not None and m.content == b"grpc over tls"
         assert sub.ack(m) == 1
+    async def with_async_client() -> list[str]:
+        async with AsyncClient(f"127.0.0.1:{tls_node.grpc_port}", ca=certs.ca_file.read_bytes(), timeout=10) as ac:
+            return [q.name for q in await ac.list_queues()]
+
+    assert "tls-q" in asyncio.run(with_async_client())
+    with StreamsClient(f"127.0.0.1:{tls_node.grpc_port}", ca=str(certs.ca_file), timeout=10) as sc:
+        sc.create_stream("tls-stream", exist_ok=True)
     # Plaintext to the TLS gRPC port fails, it does not fall back.
     with Client(f"127.0.0.1:{tls_node.grpc_port}", timeout=3) as plain, pytest.raises(LeveretError):
         plain.create_queue("tls-q", exist_ok=True)
