@@ -70,6 +70,18 @@ def _stats(channel: grpc.Channel, metadata: tuple[tuple[str, str], ...] = _PROTO
     return grpc.StatusCode.OK
 
 
+def _session(channel: grpc.Channel, metadata: tuple[tuple[str, str], ...]) -> grpc.StatusCode:
+    """Open the Session stream and ask for a message (GET, no_ack): what a thief would do."""
+    get = internal_pb2.SessionControl(kind=internal_pb2.SessionControl.GET, sub=1, vhost="/", queue="none",
+                                      no_ack=True)
+    try:
+        for _ in internal_pb2_grpc.NodeStub(channel).Session(iter([get]), timeout=5, metadata=metadata):
+            return grpc.StatusCode.OK
+    except grpc.RpcError as exc:
+        return exc.code()  # type: ignore[no-any-return]
+    return grpc.StatusCode.OK
+
+
 def test_secret_cluster_refuses_strangers(etcd_server: EtcdServer, cluster_postgres: str) -> None:
     with Cluster(3, etcd=etcd_server, postgres_dsn=cluster_postgres) as cluster:
         _forward_roundtrip(cluster)
@@ -83,6 +95,8 @@ def test_secret_cluster_refuses_strangers(etcd_server: EtcdServer, cluster_postg
             assert _stats(internal) == grpc.StatusCode.UNAUTHENTICATED  # nothing sent
             wrong = PeerAuth(secret=b"a guess at the cluster secret")
             assert _stats(internal, wrong.metadata(_PROTOCOL_MD)) == grpc.StatusCode.UNAUTHENTICATED
+            for md in (_PROTOCOL_MD, wrong.metadata(_PROTOCOL_MD)):  # and no stream opens
+                assert _session(internal, md) == grpc.StatusCode.UNAUTHENTICATED
             token = member.metadata(_PROTOCOL_MD)
             # The right secret gets an answer (this node owns no queue "none"), and its token is single-use.
             assert _stats(internal, token) == grpc.StatusCode.NOT_FOUND
