@@ -225,3 +225,28 @@ def test_an_unknown_user_costs_a_kdf_run_too() -> None:
                 broker.authenticate(name, "wrong", None)
         timings[name] = time.perf_counter() - started
     assert timings["nobody"] > timings["known"] / 3, timings  # ~equal; a skipped KDF would be ~1000x faster
+
+
+def test_recent_logins_skip_the_kdf_only_for_the_same_record_and_password() -> None:
+    now = [0.0]
+    recent = passwords.RecentLogins(ttl=600, clock=lambda: now[0])
+    recent.remember("u", b"record-1", "pw")
+    assert recent.known("u", b"record-1", "pw")
+    assert not recent.known("u", b"record-1", "px")
+    assert not recent.known("u", b"record-2", "pw")  # the password changed (or was re-hashed)
+    assert not recent.known("v", b"record-1", "pw")
+    now[0] = 601
+    assert not recent.known("u", b"record-1", "pw")
+
+    broker = Broker(default_user=None)
+    broker.add_user("u", "old", vhosts={"/"})
+    broker.authenticate("u", "old", None)
+    import time
+
+    started = time.perf_counter()
+    broker.authenticate("u", "old", None)
+    assert time.perf_counter() - started < 0.005  # no argon2 run (26 ms)
+    broker.add_user("u", "new", vhosts={"/"})  # a password change replaces the record
+    with pytest.raises(Exception, match="refused"):
+        broker.authenticate("u", "old", None)
+    assert broker.authenticate("u", "new", None).name == "u"

@@ -73,6 +73,7 @@ class Broker:
         self.flow_listeners: list[Callable[[bool], None]] = []
         # Failed logins per peer address (the front ends wait its delay before refusing).
         self.login_throttle = LoginThrottle()
+        self.recent_logins = passwords.RecentLogins()
         # Told when a login re-hashed a user's old password record: the node persists it.
         self.on_user_rehashed: list[Callable[[User], None]] = []
         self.add_vhost("/")
@@ -109,7 +110,10 @@ class Broker:
     def authenticate(self, username: str, password: str, peer_host: str | None) -> User:
         """The user, or AccessRefused; a failure counts against ``peer_host`` (``login_throttle``)."""
         user = self.users.get(username)
-        ok, rehash = passwords.verify(user.salt, user.password_hash, password) if user else (False, False)
+        if user is not None and self.recent_logins.known(username, user.password_hash, password):
+            ok, rehash = True, False
+        else:
+            ok, rehash = passwords.verify(user.salt, user.password_hash, password) if user else (False, False)
         if user is None:
             passwords.waste(password)  # as long as a wrong password: user names stay unknown
         if user is None or not ok:
@@ -121,6 +125,7 @@ class Broker:
             user.salt, user.password_hash = passwords.new_record(password)
             for listener in list(self.on_user_rehashed):
                 listener(user)
+        self.recent_logins.remember(username, user.password_hash, password)
         return user
 
     def authenticate_external(self, username: str, peer_host: str | None) -> User:
