@@ -837,7 +837,8 @@ class Peers:
     """Links to the other nodes, by node id, made on first use."""
 
     def __init__(self, address_of: Callable[[str], str | None], on_broken: Callable[[str], None],
-                 auth: PeerAuth) -> None:
+                 auth: PeerAuth | None = None) -> None:
+        """``auth``: how this node proves membership to its peers; without it no peer is ever dialled."""
         self._address_of = address_of
         self._auth = auth
         self._on_broken = on_broken
@@ -851,6 +852,8 @@ class Peers:
         address = self._address_of(node_id)
         if address is None:
             return None
+        if self._auth is None:
+            raise RuntimeError("no cluster credentials to dial a peer with (--cluster-secret-file or --cluster-tls-*)")
         link = PeerLink(node_id, address, self._broken, self._auth)
         link.on_congestion = self.on_congestion
         self.links[node_id] = link
