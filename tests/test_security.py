@@ -250,3 +250,35 @@ def test_recent_logins_skip_the_kdf_only_for_the_same_record_and_password() -> N
     with pytest.raises(Exception, match="refused"):
         broker.authenticate("u", "old", None)
     assert broker.authenticate("u", "new", None).name == "u"
+
+
+def test_make_test_ca_writes_a_working_set(tmp_path: object) -> None:
+    import ssl
+    from pathlib import Path
+
+    from leveret.cli import main
+    from leveret.tls import ServerTLS, TLSFiles
+
+    out = Path(str(tmp_path)) / "certs"
+    assert main(["tls", "make-test-ca", str(out), "--client", "alice"]) == 0
+    assert (out / "server.key").stat().st_mode & 0o777 == 0o600
+    server = ServerTLS(TLSFiles(str(out / "server.pem"), str(out / "server.key"), str(out / "ca.pem"), "peer"))
+    client = ssl.create_default_context(cafile=str(out / "ca.pem"))
+    client.load_cert_chain(str(out / "client-alice.pem"), str(out / "client-alice.key"))
+    a_in, a_out, b_in, b_out = ssl.MemoryBIO(), ssl.MemoryBIO(), ssl.MemoryBIO(), ssl.MemoryBIO()
+    s = server.context.wrap_bio(a_in, a_out, server_side=True)
+    c = client.wrap_bio(b_in, b_out, server_hostname="127.0.0.1")
+    done = [False, False]
+    for _ in range(10):
+        for i, (end, out_bio, in_bio) in enumerate(((c, b_out, a_in), (s, a_out, b_in))):
+            if not done[i]:
+                try:
+                    end.do_handshake()
+                    done[i] = True
+                except ssl.SSLWantReadError:
+                    pass
+            in_bio.write(out_bio.read())
+    assert all(done)
+    from amqp_frontend.tls_accept import peer_identity
+
+    assert peer_identity(s.getpeercert()) == "alice"  # the EXTERNAL user name
