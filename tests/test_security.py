@@ -282,3 +282,34 @@ def test_make_test_ca_writes_a_working_set(tmp_path: object) -> None:
     from amqp_frontend.tls_accept import peer_identity
 
     assert peer_identity(s.getpeercert()) == "alice"  # the EXTERNAL user name
+
+
+async def test_grpc_refusals_are_delayed_too() -> None:
+    import time
+
+    import grpc
+    import grpc.aio
+
+    from core.grpc_api import leveret_pb2 as pb
+    from core.grpc_api import leveret_pb2_grpc as pb_grpc
+    from leveret.grpc_server import GRPCServer
+
+    server = GRPCServer(Broker())
+    await server.start("127.0.0.1", 0)
+    try:
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{server.port}") as channel:
+            stub = pb_grpc.BrokerStub(channel)
+            waits = []
+            for _ in range(4):
+                started = time.monotonic()
+                with pytest.raises(grpc.aio.AioRpcError) as info:
+                    await stub.ListQueues(pb.ListQueuesRequest(), metadata=(("username", "guest"),
+                                                                            ("password", "guess")))
+                assert info.value.code() == grpc.StatusCode.UNAUTHENTICATED
+                waits.append(time.monotonic() - started)
+            assert waits[3] >= 0.4 > waits[0], waits  # 0, 0.1, 0.2, 0.4 s
+            started = time.monotonic()
+            await stub.ListQueues(pb.ListQueuesRequest(), metadata=(("username", "guest"), ("password", "guest")))
+            assert time.monotonic() - started < 0.4
+    finally:
+        await server.stop(0)
