@@ -112,7 +112,9 @@ def _start(identity: str | None, broker: Broker) -> tuple[Client, commands.Conne
     c = Client(broker, peer=REMOTE)
     c.conn.peer_identity = identity
     c.send_raw(b"AMQP\x00\x00\x09\x01")
-    return c, c.read()[0][1]
+    start = c.read()[0][1]
+    assert isinstance(start, commands.Connection.Start)
+    return c, start
 
 
 def test_external_is_offered_only_with_a_verified_certificate() -> None:
