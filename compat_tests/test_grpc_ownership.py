@@ -8,6 +8,7 @@ with ``requeue=false`` destroyed) the deliveries of a user in ``va``.
 
 from __future__ import annotations
 
+import shutil
 import subprocess
 import tempfile
 from collections.abc import Iterator
@@ -37,6 +38,7 @@ def node() -> Iterator[NodeProcess]:
     n.start()
     yield n
     n.terminate()
+    shutil.rmtree(root, ignore_errors=True)
 
 
 def _client(node: NodeProcess, user: str) -> Client:

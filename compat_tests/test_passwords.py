@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
+import shutil
 import tempfile
 import time
 from collections.abc import Iterator
@@ -55,6 +56,7 @@ def node() -> Iterator[NodeProcess]:
     n.start()
     yield n
     n.terminate()
+    shutil.rmtree(root, ignore_errors=True)
 
 
 def _connect(node: NodeProcess, user: str, password: str) -> pika.BlockingConnection:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import shutil
 import signal
 import socket
 import ssl
@@ -102,6 +103,7 @@ def certs() -> Iterator[Certs]:
 
 
 def _start(certs: Certs, *extra: str, users: tuple[tuple[str, str], ...] = ()) -> TLSNode:
+    """A started node; ``_stop`` ends it and removes its directory."""
     root = Path(tempfile.mkdtemp(prefix="leveret-tls-node-"))
     for name, password in users:
         subprocess.run([_python(), "-m", "leveret", "users", "add", name, "--password", password, "--vhost", "/",
@@ -114,11 +116,16 @@ def _start(certs: Certs, *extra: str, users: tuple[tuple[str, str], ...] = ()) -
     return node
 
 
+def _stop(node: TLSNode) -> None:
+    node.terminate()
+    shutil.rmtree(node.data_dir.parent, ignore_errors=True)
+
+
 @pytest.fixture(scope="module")
 def tls_node(certs: Certs) -> Iterator[TLSNode]:
     node = _start(certs, "--grpc-tls")
     yield node
-    node.terminate()
+    _stop(node)
 
 
 @pytest.fixture(scope="module")
@@ -127,7 +134,7 @@ def peer_node(certs: Certs) -> Iterator[TLSNode]:
     node = _start(certs, "--tls-verify", "peer", "--tls-fail-if-no-peer-cert",
                   users=((CERT_USER, "unused-password-1"),))
     yield node
-    node.terminate()
+    _stop(node)
 
 
 def _roundtrip(channel: pika.adapters.blocking_connection.BlockingChannel, body: bytes) -> None:
@@ -254,7 +261,7 @@ def test_sighup_serves_the_new_certificate_to_new_connections(certs: Certs) -> N
         with Client(f"127.0.0.1:{node.grpc_port}", ca=str(certs.ca_file), timeout=10) as c:
             c.create_queue("after-reload", exist_ok=True)  # and gRPC still works with it
     finally:
-        node.terminate()
+        _stop(node)
 
 
 def test_grpc_client_over_tls(tls_node: TLSNode, certs: Certs) -> None:
