@@ -91,10 +91,13 @@ class Connection:
         settings: ServerSettings | None = None,
         peer: tuple[str, int] | None = None,
         now: float | None = None,
+        peer_identity: str | None = None,
     ) -> None:
         self.broker = broker
         self.settings = settings or ServerSettings()
         self.peer = peer
+        # The user name of a client certificate the TLS layer verified: enables SASL EXTERNAL.
+        self.peer_identity = peer_identity
         self.node_id = broker.node_id
         self.state = State.AWAIT_HEADER
         self.should_close = False
@@ -533,7 +536,7 @@ class Connection:
                 version_major=0,
                 version_minor=9,
                 server_properties=props,
-                mechanisms="PLAIN AMQPLAIN",
+                mechanisms="PLAIN AMQPLAIN EXTERNAL" if self.peer_identity else "PLAIN AMQPLAIN",
                 locales="en_US",
             ),
         )
@@ -582,24 +585,35 @@ class Connection:
         self.client_properties = dict(m.client_properties or {})
         mechanism = m.mechanism
         response = m.response if isinstance(m.response, bytes) else str(m.response).encode("utf-8", "surrogateescape")
+        host = self.peer[0] if self.peer else None
         try:
-            username, password = _credentials(mechanism, response)
-            self.user = self.broker.authenticate(username, password, self.peer[0] if self.peer else None)
+            if mechanism == "EXTERNAL" and self.peer_identity:
+                self.user = self.broker.authenticate_external(self.peer_identity, host)
+            else:
+                username, password = _credentials(mechanism, response)
+                self.user = self.broker.authenticate(username, password, host)
         except AccessRefused as exc:
             log.warning(
                 "login refused", extra={"peer": self._peer_text(), "mechanism": mechanism, "reason": exc.text}
             )
-            if mechanism not in ("PLAIN", "AMQPLAIN"):
-                exc = AccessRefused(f"unsupported authentication mechanism '{mechanism}'; use PLAIN or AMQPLAIN")
+            if mechanism not in ("PLAIN", "AMQPLAIN", "EXTERNAL") or (mechanism == "EXTERNAL"
+                                                                       and not self.peer_identity):
+                offered = "PLAIN, AMQPLAIN or EXTERNAL" if self.peer_identity else "PLAIN or AMQPLAIN"
+                exc = AccessRefused(f"unsupported authentication mechanism '{mechanism}'; use {offered}")
             elif "localhost" not in exc.text:
                 exc = AccessRefused(
                     f"Login was refused using authentication mechanism {mechanism}. "
                     "For details see the broker logfile."
                 )
-            if self.client_capability("authentication_failure_close"):
-                self.close_with_error(exc)
+            # A guesser waits longer for each refusal (core/engine/login_throttle.py); the
+            # state stays AWAIT_START_OK meanwhile, so nothing else it sends is processed.
+            delay = self.broker.login_throttle.delay(host)
+            refusal = exc
+            if delay > 0:
+                self.suspended += 1
+                self.broker.scheduler.call_later(delay, lambda: self._refuse_login(refusal))
             else:
-                self._closed("authentication failed")
+                self._refuse_login(refusal)
             return
         self.username = self.user.name
         s = self.settings
@@ -607,6 +621,17 @@ class Connection:
         self.send_method(
             0, commands.Connection.Tune(channel_max=s.channel_max, frame_max=s.frame_max, heartbeat=s.heartbeat)
         )
+
+    def _refuse_login(self, exc: AccessRefused) -> None:
+        if self.state is State.CLOSED or self.should_close:
+            return
+        if self.suspended:
+            self.suspended -= 1
+        if self.client_capability("authentication_failure_close"):
+            self.close_with_error(exc)
+        else:
+            self._closed("authentication failed")
+        self.on_output()
 
     def _tune_ok(self, m: commands.Connection.TuneOk) -> None:
         s = self.settings

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import ssl
 import time
 from collections.abc import Awaitable, Callable
 from typing import Any
@@ -11,6 +12,7 @@ from typing import Any
 from pamqp import commands
 
 from amqp_frontend.connection import Connection, ServerSettings, State
+from amqp_frontend.tls_accept import TLSListener, peer_identity
 from core.engine.broker import Broker
 
 log = logging.getLogger("leveret.amqp")
@@ -29,7 +31,11 @@ class AMQPProtocol(asyncio.Protocol):
         # uvloop's transport is not an asyncio.Transport subclass, so no isinstance check.
         self.transport = tr = transport  # type: ignore[assignment]
         peer = transport.get_extra_info("peername")
-        conn = Connection(self.server.broker, self.server.settings, peer=(peer[0], peer[1]) if peer else None)
+        # On the AMQPS listener: the name in the client certificate TLS verified, for SASL EXTERNAL.
+        tls = transport.get_extra_info("ssl_object")
+        identity = peer_identity(tls.getpeercert()) if tls is not None else None
+        conn = Connection(self.server.broker, self.server.settings, peer=(peer[0], peer[1]) if peer else None,
+                          peer_identity=identity)
         conn.on_output = self._schedule_flush
         conn.run_async = self._run_async
         self.conn = conn
@@ -143,6 +149,7 @@ class AMQPServer:
         self.settings = settings or ServerSettings()
         self.connections: set[AMQPProtocol] = set()
         self._server: asyncio.base_events.Server | None = None
+        self._tls: TLSListener | None = None
         self._ticker: asyncio.Task[None] | None = None
         self.flow_paused: set[AMQPProtocol] = set()
         broker.flow_listeners.append(self._flow_changed)
@@ -161,6 +168,17 @@ class AMQPServer:
         )
         self._ticker = asyncio.create_task(self._tick_forever())
         log.info("amqp listening", extra={"host": host, "port": port})
+
+    async def start_tls(self, host: str, port: int, context: ssl.SSLContext) -> None:
+        """The AMQPS listener: the same protocol behind a TLS handshake (amqp_frontend/tls_accept.py)."""
+        self._tls = TLSListener(context, lambda: AMQPProtocol(self))
+        await self._tls.start(host, port)
+        log.info("amqps listening", extra={"host": host, "port": self._tls.port})
+
+    @property
+    def tls_port(self) -> int:
+        assert self._tls is not None
+        return self._tls.port
 
     def set_memory_alarm(self, active: bool) -> None:
         if active == self.broker.memory_alarm:
@@ -192,6 +210,8 @@ class AMQPServer:
         """Stop accepting, close every connection with 320, wait briefly for close-ok."""
         if self._server is not None:
             self._server.close()
+        if self._tls is not None:
+            await self._tls.close()
         for proto in list(self.connections):
             if proto.conn is not None:
                 proto.conn.close()

@@ -70,7 +70,8 @@ class Connection(asyncio.Protocol):
     async def open(cls, url: BrokerUrl, *, timeout: float = 10.0, capture_bodies: bool = False) -> Connection:
         loop = asyncio.get_running_loop()
         _, conn = await asyncio.wait_for(
-            loop.create_connection(lambda: cls(capture_bodies=capture_bodies), url.host, url.port), timeout
+            loop.create_connection(lambda: cls(capture_bodies=capture_bodies), url.host, url.port,
+                                   ssl=url.ssl_context(), server_hostname=url.host if url.tls else None), timeout
         )
         try:
             await asyncio.wait_for(conn._handshake(url), timeout)

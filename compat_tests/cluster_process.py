@@ -42,6 +42,7 @@ from psycopg.conninfo import make_conninfo
 from compat_tests.node_process import REPO_ROOT, NodeProcess, _python, node_env
 from tests.etcd import EtcdServer, KeyValue, skip_or_fail_without_etcd
 from tests.pg import throwaway_postgres
+from tests.ports import free_port
 
 STARTUP_TIMEOUT = 30.0
 CLI_TIMEOUT = 60.0
@@ -66,6 +67,7 @@ class ClusterNode(NodeProcess):
         self.cluster = cluster
         self.extra_args = list(extra_args)
         self.grpc_port = 0
+        self.cluster_port = 0
         self.paused = False
 
     def command(self) -> list[str]:
@@ -85,12 +87,15 @@ class ClusterNode(NodeProcess):
             "--cluster", c.name,
             "--region", self.region,
             "--lease-ttl", str(c.lease_ttl),
+            "--cluster-port", str(self.cluster_port),
+            *c.cluster_auth,
             *self.extra_args,
         ]  # fmt: skip
 
     def spawn(self) -> None:
         """Start the process without waiting for it (see wait_ready)."""
         self.paused = False
+        self.cluster_port = free_port()
         super().spawn()
 
     def pause(self) -> None:
@@ -145,6 +150,7 @@ class Cluster:
         workdir: Path | None = None,
         node_args: Sequence[str] = (),
         keep_workdir: bool | None = None,
+        cluster_auth: Sequence[str] | None = None,
     ) -> None:
         self.size = size
         self.name = name or f"t{uuid.uuid4().hex[:10]}"
@@ -155,6 +161,13 @@ class Cluster:
         # Logs are removed with the work dir unless asked for (diagnostics() has their tails).
         self.keep_workdir = bool(os.environ.get(KEEP_ENV)) if keep_workdir is None else keep_workdir
         self.workdir.mkdir(parents=True, exist_ok=True)
+        # How nodes prove membership to each other (docs/SECURITY.md): a shared secret
+        # file by default, or the --cluster-tls-* flags a test passes.
+        if cluster_auth is None:
+            secret = self.workdir / "cluster-secret"
+            secret.write_text(uuid.uuid4().hex + uuid.uuid4().hex)
+            cluster_auth = ["--cluster-secret-file", str(secret)]
+        self.cluster_auth = list(cluster_auth)
         self._given_etcd = etcd
         self._given_dsn = postgres_dsn
         self._stack = contextlib.ExitStack()

@@ -36,7 +36,9 @@ from typing import Any
 import aetcd
 import grpc
 
+from coordination.etcd_client import EtcdTLS, etcd_client
 from coordination.keys import Layout, decode_args, dumps, encode_args, loads, user_value
+from core.cluster.auth import PeerAuth
 from core.cluster.forwarding import LoadingGate, NodeService, NotOwner, Peers, QueueRemote
 from core.durable.durability import Durability, QueueStorage
 from core.durable.group_commit import GroupCommitter
@@ -74,6 +76,13 @@ class ClusterSettings:
     node_id: str = "leveret"
     amqp_address: str = ""
     grpc_address: str = ""
+    # The internal listener (--cluster-port) peers dial, and how they prove membership.
+    cluster_address: str = ""
+    auth: PeerAuth | None = None
+    # etcd's own transport and login (--etcd-cacert/--etcd-cert/--etcd-key, --etcd-user).
+    etcd_tls: EtcdTLS | None = None
+    etcd_user: str = ""
+    etcd_password: str = ""
 
 
 @dataclass
@@ -86,12 +95,14 @@ class NodeInfo:
     queues: int = 0
     started: float = 0.0
     draining: bool = False
+    cluster: str = ""  # the internal listener (--cluster-port) peers dial
 
     @classmethod
     def of(cls, value: dict[str, Any]) -> NodeInfo:
         return cls(str(value.get("id", "")), str(value.get("amqp", "")), str(value.get("grpc", "")),
                    str(value.get("region", "")), int(value.get("lease", 0)), int(value.get("queues", 0)),
-                   float(value.get("started", 0.0)), bool(value.get("draining", False)))
+                   float(value.get("started", 0.0)), bool(value.get("draining", False)),
+                   str(value.get("cluster", "")))
 
 
 @dataclass
@@ -136,8 +147,10 @@ class EtcdCluster:
         self.keys = Layout(settings.cluster)
         self.on_event = on_event
         self.mirror = Mirror()
-        self.peers = Peers(self._grpc_address, self._peer_broken)
-        self.service = NodeService(broker, self.owned)
+        if settings.auth is None:
+            raise ClusterStartError("a cluster needs --cluster-secret-file or --cluster-tls-cert/-key/-ca")
+        self.peers = Peers(self._cluster_address, self._peer_broken, settings.auth)
+        self.service = NodeService(broker, self.owned, settings.auth)
         self.durability = Durability(store, committer)
         ttl = settings.lease_ttl
         # Served until the last refresh asked + TTL - margin (core/engine/ownership.py).
@@ -167,7 +180,8 @@ class EtcdCluster:
     # ================================================================ lifecycle
     def _new_client(self, timeout: float | None) -> aetcd.Client:
         host, port = _endpoint(self.settings.endpoints[self._endpoint_index % len(self.settings.endpoints)])
-        return aetcd.Client(host=host, port=port, timeout=timeout)
+        s = self.settings
+        return etcd_client(host, port, timeout, s.etcd_tls, s.etcd_user, s.etcd_password)
 
     async def _connect(self, deadline: float) -> None:
         errors: list[str] = []
@@ -229,7 +243,8 @@ class EtcdCluster:
 
     def _node_value(self) -> bytes:
         s = self.settings
-        return dumps({"id": self.node_id, "amqp": s.amqp_address, "grpc": s.grpc_address, "region": s.region,
+        return dumps({"id": self.node_id, "amqp": s.amqp_address, "grpc": s.grpc_address, "cluster": s.cluster_address,
+                      "region": s.region,
                       "lease": self.lease_id, "queues": len(self.ownership), "draining": self.draining,
                       "started": self._started})
 
@@ -889,9 +904,9 @@ class EtcdCluster:
                 await asyncio.sleep(0.01)
 
     # ================================================================= peers
-    def _grpc_address(self, node: str) -> str | None:
+    def _cluster_address(self, node: str) -> str | None:
         info = self.mirror.nodes.get(node)
-        return info.grpc if info is not None and info.grpc else None
+        return info.cluster if info is not None and info.cluster else None
 
     def _peer_broken(self, node: str) -> None:
         """A stream to a peer broke: if its port refuses connections, it is dead; end its lease now."""
@@ -901,7 +916,7 @@ class EtcdCluster:
         asyncio.get_running_loop().create_task(self._probe_peer(info))
 
     async def _probe_peer(self, info: NodeInfo) -> None:
-        host, _, port = info.grpc.rpartition(":")
+        host, _, port = (info.cluster or info.grpc).rpartition(":")
         try:
             _, writer = await asyncio.wait_for(asyncio.open_connection(host.strip("[]"), int(port)), 1.0)
             writer.close()

@@ -29,6 +29,10 @@ def build_parser() -> argparse.ArgumentParser:
     for f in fields(NodeConfig):
         flag = "--" + f.name.replace("_", "-")
         default = getattr(defaults, f.name)
+        if f.type in (bool, "bool"):
+            serve.add_argument(flag, dest=f.name, default=None, action="store_const", const=True,
+                               help=f"{HELP[f.name]} (env LEVERET_{f.name.upper()}=true)")
+            continue
         serve.add_argument(
             flag,
             dest=f.name,
@@ -48,6 +52,9 @@ def build_parser() -> argparse.ArgumentParser:
     from leveret import users
 
     users.add_parsers(sub)
+    from leveret import tls_cli
+
+    tls_cli.add_parser(sub)
     return parser
 
 
@@ -70,6 +77,10 @@ def main(argv: list[str] | None = None) -> int:
         from leveret import streams_cli
 
         return streams_cli.main(args, parser)
+    if args.command == "tls":
+        from leveret import tls_cli
+
+        return tls_cli.main(args)
     if args.command in ("users", "vhosts"):
         from leveret import users
 

@@ -62,6 +62,29 @@ _OPTIONS = [
 T = TypeVar("T")
 
 
+def _pem(value: str | bytes | None) -> bytes | None:
+    if value is None or isinstance(value, bytes):
+        return value
+    with open(value, "rb") as f:
+        return f.read()
+
+
+def credentials(tls: bool = False, ca: str | bytes | None = None, cert: str | bytes | None = None,
+                key: str | bytes | None = None) -> grpc.ChannelCredentials | None:
+    """TLS to the node when ``tls`` or any file is given, else None (plaintext).
+
+    ``ca``: the CA that signed the node's certificate (a path or PEM bytes; None:
+    the system's roots). ``cert``/``key``: a client certificate, for a node started
+    with --tls-verify peer --tls-fail-if-no-peer-cert.
+    """
+    if not (tls or ca or cert or key):
+        return None
+    if bool(cert) != bool(key):
+        raise ValueError("a client certificate needs both cert and key")
+    return grpc.ssl_channel_credentials(root_certificates=_pem(ca), private_key=_pem(key),
+                                        certificate_chain=_pem(cert))
+
+
 class LeveretError(Exception):
     """A call the broker refused: ``code`` is the grpc.StatusCode, ``details`` the broker's text."""
 
@@ -383,8 +406,16 @@ class Client:
         password: str | None = "guest",
         vhost: str = "/",
         timeout: float | None = 30.0,
+        *,
+        tls: bool = False,
+        ca: str | bytes | None = None,
+        cert: str | bytes | None = None,
+        key: str | bytes | None = None,
     ) -> None:
-        self._channel = grpc.insecure_channel(target, options=_OPTIONS)
+        """``tls``/``ca``/``cert``/``key``: a node started with --grpc-tls (see :func:`credentials`)."""
+        creds = credentials(tls, ca, cert, key)
+        self._channel = (grpc.insecure_channel(target, options=_OPTIONS) if creds is None
+                         else grpc.secure_channel(target, creds, options=_OPTIONS))
         self._stub = pb_grpc.BrokerStub(self._channel)
         self._md = _metadata(username, password, vhost)
         self.timeout = timeout
@@ -586,8 +617,16 @@ class AsyncClient:
         password: str | None = "guest",
         vhost: str = "/",
         timeout: float | None = 30.0,
+        *,
+        tls: bool = False,
+        ca: str | bytes | None = None,
+        cert: str | bytes | None = None,
+        key: str | bytes | None = None,
     ) -> None:
-        self._channel = grpc.aio.insecure_channel(target, options=_OPTIONS)
+        """``tls``/``ca``/``cert``/``key``: a node started with --grpc-tls (see :func:`credentials`)."""
+        creds = credentials(tls, ca, cert, key)
+        self._channel = (grpc.aio.insecure_channel(target, options=_OPTIONS) if creds is None
+                         else grpc.aio.secure_channel(target, creds, options=_OPTIONS))
         self._stub = pb_grpc.BrokerStub(self._channel)
         self._md = _metadata(username, password, vhost)
         self.timeout = timeout

@@ -34,10 +34,35 @@ class NodeConfig:
     lease_ttl: int = 2
     advertise_host: str = ""
     retention_interval: float = 0.0
+    # -- transport security and cluster membership (docs/SECURITY.md)
+    amqps_port: int = -1
+    tls_cert: str = ""
+    tls_key: str = ""
+    tls_ca: str = ""
+    tls_verify: str = "none"
+    tls_fail_if_no_peer_cert: bool = False
+    grpc_tls: bool = False
+    cluster_port: int = 25672
+    cluster_secret_file: str = ""
+    cluster_tls_cert: str = ""
+    cluster_tls_key: str = ""
+    cluster_tls_ca: str = ""
+    etcd_cacert: str = ""
+    etcd_cert: str = ""
+    etcd_key: str = ""
+    etcd_user: str = ""
+    etcd_password: str = ""
 
     @property
     def resolved_node_id(self) -> str:
         return self.node_id or f"leveret@{os.uname().nodename}"
+
+    @property
+    def resolved_amqps_port(self) -> int:
+        """The AMQPS port: 5671 by default once a certificate is configured, 0 (no listener) otherwise."""
+        if self.amqps_port >= 0:
+            return self.amqps_port if self.tls_cert else 0
+        return 5671 if self.tls_cert else 0
 
 
 HELP = {
@@ -68,6 +93,24 @@ HELP = {
     "when binding to all addresses)",
     "retention_interval": "run the retention job (docs/RETENTION.md) every this many seconds in a subprocess, "
     "one run at a time (0: never)",
+    "amqps_port": "AMQP over TLS port; -1: 5671 when --tls-cert is set, 0: no TLS listener",
+    "tls_cert": "PEM certificate chain of this node (AMQPS, and gRPC with --grpc-tls); SIGHUP reloads it",
+    "tls_key": "PEM private key of --tls-cert",
+    "tls_ca": "PEM CA bundle that client certificates are verified against",
+    "tls_verify": "none, or peer: ask clients for a certificate and verify it against --tls-ca",
+    "tls_fail_if_no_peer_cert": "with --tls-verify peer, refuse clients that present no certificate",
+    "grpc_tls": "serve the gRPC API over TLS only, with --tls-cert/--tls-key (client certificates as for AMQPS)",
+    "cluster_port": "internal node-to-node listener (cluster mode only); never the public gRPC port",
+    "cluster_secret_file": "file holding the secret every node of the cluster shares (as RabbitMQ's Erlang "
+    "cookie); cluster mode needs it or --cluster-tls-*",
+    "cluster_tls_cert": "PEM certificate of this node for mutual TLS between nodes",
+    "cluster_tls_key": "PEM private key of --cluster-tls-cert",
+    "cluster_tls_ca": "PEM CA that signed every node's cluster certificate",
+    "etcd_cacert": "PEM CA of etcd's server certificate: dial etcd over TLS",
+    "etcd_cert": "PEM client certificate for etcd (with --etcd-key)",
+    "etcd_key": "PEM private key of --etcd-cert",
+    "etcd_user": "etcd user name (etcd's auth); with --etcd-password",
+    "etcd_password": "etcd password (prefer LEVERET_ETCD_PASSWORD or the config file to a flag)",
 }
 
 
@@ -77,13 +120,23 @@ class ConfigError(ValueError):
 
 def _coerce(name: str, kind: Any, value: Any, source: str) -> Any:
     try:
+        if kind is bool or kind == "bool":
+            if isinstance(value, bool):
+                return value
+            text = str(value).strip().lower()
+            if text in ("1", "true", "yes", "on"):
+                return True
+            if text in ("0", "false", "no", "off", ""):
+                return False
+            raise ValueError(text)
         if kind is int or kind == "int":
             return int(value)
         if kind is float or kind == "float":
             return float(value)
         return str(value)
     except (TypeError, ValueError) as exc:
-        raise ConfigError(f"{source}: {name} must be an integer, got {value!r}") from exc
+        what = {"bool": "true or false", "float": "a number"}.get(str(getattr(kind, "__name__", kind)), "an integer")
+        raise ConfigError(f"{source}: {name} must be {what}, got {value!r}") from exc
 
 
 def load(config_file: str | None, overrides: dict[str, Any], environ: dict[str, str] | None = None) -> NodeConfig:
@@ -121,5 +174,27 @@ def validate(cfg: NodeConfig) -> None:
             "cluster mode (--etcd) needs the shared Postgres store: add --store postgres --postgres-dsn DSN "
             f"(got --store {cfg.store}); with SQLite each node would keep its own copy and a failover would lose it"
         )
+    if cfg.etcd and not (cfg.cluster_secret_file or cfg.cluster_tls_cert):
+        raise ConfigError(
+            "cluster mode (--etcd) needs a way for nodes to authenticate each other: --cluster-secret-file FILE "
+            "(the same secret on every node, as RabbitMQ's Erlang cookie) or --cluster-tls-cert/--cluster-tls-key/"
+            "--cluster-tls-ca (mutual TLS); see docs/SECURITY.md"
+        )
+    if cfg.cluster_tls_cert and not (cfg.cluster_tls_key and cfg.cluster_tls_ca):
+        raise ConfigError("--cluster-tls-cert needs --cluster-tls-key and --cluster-tls-ca (the cluster's CA)")
+    if cfg.tls_verify not in ("none", "peer"):
+        raise ConfigError(f"--tls-verify must be none or peer, got {cfg.tls_verify!r}")
+    if cfg.tls_cert and not cfg.tls_key:
+        raise ConfigError("--tls-cert needs --tls-key")
+    if cfg.tls_verify == "peer" and not cfg.tls_ca:
+        raise ConfigError("--tls-verify peer needs --tls-ca: the CA that client certificates are checked against")
+    if cfg.amqps_port > 0 and not cfg.tls_cert:
+        raise ConfigError("--amqps-port needs --tls-cert and --tls-key")
+    if cfg.grpc_tls and not cfg.tls_cert:
+        raise ConfigError("--grpc-tls needs --tls-cert and --tls-key")
+    if bool(cfg.etcd_cert) != bool(cfg.etcd_key):
+        raise ConfigError("--etcd-cert and --etcd-key go together")
+    if bool(cfg.etcd_user) != bool(cfg.etcd_password):
+        raise ConfigError("--etcd-user and --etcd-password go together")
     if cfg.lease_ttl < 1:
         raise ConfigError(f"--lease-ttl must be at least 1 second, got {cfg.lease_ttl}")

@@ -25,10 +25,11 @@ class GRPCServer:
         self.max_message = min(MAX_MESSAGE, max_message_size + 1024 * 1024)
         self.server: grpc.aio.Server | None = None
         self.port = 0
-        # More services on the same listener (the cluster's internal Node service).
+        # More services on the same listener.
         self.extra_services: list[Callable[[grpc.aio.Server], None]] = []
 
-    async def start(self, host: str, port: int) -> None:
+    async def start(self, host: str, port: int, credentials: grpc.ServerCredentials | None = None) -> None:
+        """Listen (over TLS with ``credentials``); the cluster's internal service is never served here."""
         server = grpc.aio.server(
             options=[
                 ("grpc.max_receive_message_length", self.max_message),
@@ -45,16 +46,8 @@ class GRPCServer:
         for add in self.extra_services:
             add(server)
         pb_grpc.add_StreamsServicer_to_server(StreamsServicer(self.servicer), server)
-        address = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
-        try:
-            bound = server.add_insecure_port(address)
-        except RuntimeError as exc:
-            raise OSError(f"cannot bind the gRPC listener on {address}: {exc}") from None
-        if bound == 0:
-            raise OSError(f"cannot bind the gRPC listener on {address}")
-        await server.start()
+        self.port = await bind_and_start(server, host, port, credentials, "gRPC")
         self.server = server
-        self.port = bound
 
     async def stop(self, grace: float = 1.0) -> None:
         if self.server is None:
@@ -62,3 +55,20 @@ class GRPCServer:
         self.servicer.close()
         await self.server.stop(grace)
         self.server = None
+
+
+async def bind_and_start(server: grpc.aio.Server, host: str, port: int,
+                         credentials: grpc.ServerCredentials | None, what: str) -> int:
+    """Bind ``server`` (plaintext, or TLS with ``credentials``) and start it; the port bound."""
+    address = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+    try:
+        if credentials is None:
+            bound = server.add_insecure_port(address)
+        else:
+            bound = server.add_secure_port(address, credentials)
+    except RuntimeError as exc:
+        raise OSError(f"cannot bind the {what} listener on {address}: {exc}") from None
+    if bound == 0:
+        raise OSError(f"cannot bind the {what} listener on {address}")
+    await server.start()
+    return bound

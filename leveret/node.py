@@ -7,6 +7,7 @@ import gc
 import logging
 import os
 import signal
+from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -21,15 +22,24 @@ from leveret import __version__
 from leveret.config import NodeConfig
 from leveret.grpc_server import GRPCServer
 from leveret.retention_schedule import RetentionService
+from leveret.tls import ServerTLS, TLSFiles
 
 if TYPE_CHECKING:
+    import grpc
+
     from coordination.etcd import EtcdCluster
+    from core.cluster.auth import PeerAuth
+    from core.engine.broker import User
+    from leveret.cluster_server import ClusterServer
 
 log = logging.getLogger("leveret.node")
 
 
 class Node:
     def __init__(self, config: NodeConfig) -> None:
+        from leveret import passwords
+
+        passwords.install()  # argon2id for every password hashed from now on (the default user's too)
         self.config = config
         self.broker = Broker(
             node_id=config.resolved_node_id, default_user=(config.default_user, config.default_pass)
@@ -48,7 +58,74 @@ class Node:
         )
         self.grpc = GRPCServer(self.broker, config.max_message_size)
         self.cluster: EtcdCluster | None = None
+        self.cluster_server: ClusterServer | None = None
+        # AMQPS (and gRPC with --grpc-tls): one context, reloaded on SIGHUP for new connections.
+        self.tls: ServerTLS | None = None
+        if config.tls_cert:
+            self.tls = ServerTLS(TLSFiles(config.tls_cert, config.tls_key, config.tls_ca, config.tls_verify,
+                                          config.tls_fail_if_no_peer_cert))
+        self._grpc_renewed: object = None  # a gRPC certificate configuration waiting for the next handshake
+        self._grpc_current: Callable[[], object] | None = None
+        self.broker.on_user_rehashed.append(self._save_rehashed)
         StreamQueue.memory_limit = config.stream_memory_bytes
+
+    def _save_rehashed(self, user: User) -> None:
+        """A login replaced an old password record (core/engine/passwords.py): keep the new one."""
+        asyncio.get_running_loop().create_task(self._persist_user(user))
+
+    async def _persist_user(self, user: User) -> None:
+        from core.ports.store import UserRecord
+
+        try:
+            if self.store is not None:
+                await self.store.save_user(UserRecord(user.name, user.salt, user.password_hash, list(user.tags),
+                                                      sorted(user.vhosts), user.loopback_only))
+            if self.cluster is not None:
+                from coordination.keys import user_value
+
+                await asyncio.wait_for(self.cluster.client.put(self.cluster.keys.user(user.name), user_value(user)),
+                                       10)
+        except Exception as exc:  # noqa: BLE001 - the old record still verifies; retried at the next login
+            log.warning("could not save a re-hashed password record", extra={"user": user.name, "error": str(exc)})
+            return
+        log.info("password record upgraded", extra={"user": user.name})
+
+    def _grpc_credentials(self) -> grpc.ServerCredentials | None:
+        """--grpc-tls: the node's certificate on the gRPC port too, renewed by SIGHUP as for AMQPS."""
+        if not self.config.grpc_tls or self.tls is None:
+            return None
+        import grpc
+
+        tls = self.tls
+
+        def current() -> grpc.ServerCertificateConfiguration:
+            key, chain, ca = tls.pem()
+            return grpc.ssl_server_certificate_configuration([(key, chain)], root_certificates=ca)
+
+        def fetch() -> grpc.ServerCertificateConfiguration | None:
+            # gRPC asks before each handshake; a reload leaves the new files here once.
+            pending, self._grpc_renewed = self._grpc_renewed, None
+            return pending
+
+        self._grpc_current = current
+        return grpc.dynamic_ssl_server_credentials(
+            current(), fetch, require_client_authentication=self.config.tls_fail_if_no_peer_cert)
+
+    def _peer_auth(self) -> PeerAuth:
+        from core.cluster.auth import ClusterTLS, PeerAuth
+        from core.ports.coordinator import ClusterStartError
+
+        cfg = self.config
+        try:
+            secret = Path(cfg.cluster_secret_file).read_bytes().strip() if cfg.cluster_secret_file else None
+            tls = (ClusterTLS(Path(cfg.cluster_tls_cert).read_bytes(), Path(cfg.cluster_tls_key).read_bytes(),
+                              Path(cfg.cluster_tls_ca).read_bytes()) if cfg.cluster_tls_cert else None)
+        except OSError as exc:
+            raise ClusterStartError(f"cannot read the cluster credentials: {exc}") from None
+        if secret is not None and len(secret) < 16:
+            raise ClusterStartError(f"the cluster secret in {cfg.cluster_secret_file} is shorter than 16 bytes: "
+                                    "too easy to guess (e.g. `openssl rand -hex 32 > FILE`)")
+        return PeerAuth(secret=secret, tls=tls)
 
     def _make_store(self) -> MessageStore:
         return make_store(self.config)
@@ -82,19 +159,28 @@ class Node:
 
     def _make_cluster(self) -> EtcdCluster:
         from coordination.etcd import ClusterSettings, EtcdCluster
-        from core.cluster import internal_pb2_grpc
+        from coordination.etcd_client import EtcdTLS
+        from core.ports.coordinator import ClusterStartError
+        from leveret.cluster_server import ClusterServer
 
         cfg = self.config
         assert self.store is not None and self.broker.committer is not None
+        auth = self._peer_auth()
+        try:
+            etcd_tls = EtcdTLS.from_files(cfg.etcd_cacert, cfg.etcd_cert, cfg.etcd_key)
+        except (OSError, ValueError) as exc:
+            raise ClusterStartError(f"cannot read the etcd TLS files: {exc}") from None
         settings = ClusterSettings(
             endpoints=[e for e in (part.strip() for part in cfg.etcd.split(",")) if e],
             cluster=cfg.cluster, region=cfg.region, lease_ttl=cfg.lease_ttl, node_id=self.broker.node_id,
             amqp_address=self._advertised(cfg.amqp_port), grpc_address=self._advertised(cfg.grpc_port),
+            cluster_address=self._advertised(cfg.cluster_port), auth=auth, etcd_tls=etcd_tls,
+            etcd_user=cfg.etcd_user, etcd_password=cfg.etcd_password,
         )
         cluster = EtcdCluster(self.broker, self.store, self.broker.committer, settings,
                               on_event=self.grpc.servicer.cluster_event)
-        self.grpc.extra_services.append(lambda server: internal_pb2_grpc.add_NodeServicer_to_server(
-            cluster.service, server))
+        self.cluster_server = ClusterServer(cluster.service, auth)
+        log.info("cluster peers authenticate with " + auth.mode)
         return cluster
 
     def _fenced(self, queues: list[tuple[str, str]]) -> None:
@@ -120,24 +206,44 @@ class Node:
             # Peers reach us over gRPC as soon as we register, and clients
             # must not be served before the cluster's metadata is mirrored.
             self.cluster = self._make_cluster()
-            await self.grpc.start(self.config.bind, self.config.grpc_port)
+            assert self.cluster_server is not None
+            await self.cluster_server.start(self.config.bind, self.config.cluster_port)
+            await self.grpc.start(self.config.bind, self.config.grpc_port, self._grpc_credentials())
             await self.cluster.start()
             self.broker.cluster = self.cluster
-            await self.amqp.start(self.config.bind, self.config.amqp_port)
+            await self._start_amqp()
         else:
-            await self.amqp.start(self.config.bind, self.config.amqp_port)
-            await self.grpc.start(self.config.bind, self.config.grpc_port)
+            await self._start_amqp()
+            await self.grpc.start(self.config.bind, self.config.grpc_port, self._grpc_credentials())
         self._monitor = asyncio.create_task(self._watch_memory())
         log.info(
             "node started",
             extra={
                 "node": self.broker.node_id,
                 "amqp": f"{self.config.bind}:{self.amqp.port}",
-                "grpc": f"{self.config.bind}:{self.grpc.port}",
+                "grpc": f"{self.config.bind}:{self.grpc.port}" + (" (tls)" if self.config.grpc_tls else ""),
+                "amqps": f"{self.config.bind}:{self.amqp.tls_port}" if self.config.resolved_amqps_port else "off",
+                "cluster_port": self.cluster_server.port if self.cluster_server is not None else "off",
                 "data_dir": os.path.abspath(self.config.data_dir),
                 "pid": os.getpid(),
             },
         )
+
+    async def _start_amqp(self) -> None:
+        await self.amqp.start(self.config.bind, self.config.amqp_port)
+        if self.tls is not None and self.config.resolved_amqps_port:
+            await self.amqp.start_tls(self.config.bind, self.config.resolved_amqps_port, self.tls.context)
+
+    def reload_tls(self) -> None:
+        """SIGHUP: new connections get the certificate files as they are now."""
+        if self.tls is None:
+            log.info("SIGHUP: no TLS certificate configured, nothing to reload")
+            return
+        if self.tls.reload() and self._grpc_current is not None:
+            try:
+                self._grpc_renewed = self._grpc_current()
+            except OSError as exc:
+                log.error("gRPC certificate reload failed", extra={"error": str(exc)})
 
     def watermark_bytes(self) -> int:
         mark = self.config.memory_high_watermark
@@ -176,6 +282,8 @@ class Node:
             # Hand our queues to the other nodes first, while we still serve them.
             await self.cluster.stop(handover=True)
         await self.grpc.stop()
+        if self.cluster_server is not None:
+            await self.cluster_server.stop()
         await self.amqp.stop()
         if self.retention is not None:
             await self.retention.stop()
@@ -194,6 +302,7 @@ class Node:
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, stop.set)
+        loop.add_signal_handler(signal.SIGHUP, self.reload_tls)
         await self.start()
         await stop.wait()
         await self.stop()

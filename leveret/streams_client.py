@@ -66,8 +66,15 @@ class StreamSubscriber(_Received[StreamMessage]):
 
 class StreamsClient:
     def __init__(self, target: str = "127.0.0.1:50051", username: str | None = "guest",
-                 password: str | None = "guest", vhost: str = "/", timeout: float | None = 30.0) -> None:
-        self._channel = grpc.insecure_channel(target, options=_OPTIONS)
+                 password: str | None = "guest", vhost: str = "/", timeout: float | None = 30.0, *,
+                 tls: bool = False, ca: str | bytes | None = None, cert: str | bytes | None = None,
+                 key: str | bytes | None = None) -> None:
+        """``tls``/``ca``/``cert``/``key``: as for leveret.client.Client (a node started with --grpc-tls)."""
+        from leveret.client import credentials
+
+        creds = credentials(tls, ca, cert, key)
+        self._channel = (grpc.insecure_channel(target, options=_OPTIONS) if creds is None
+                         else grpc.secure_channel(target, creds, options=_OPTIONS))
         self._stub = pb_grpc.StreamsStub(self._channel)
         self._md = _metadata(username, password, vhost)
         self.timeout = timeout

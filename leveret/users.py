@@ -62,6 +62,9 @@ def add_parsers(sub: Any) -> None:
 async def _users(args: argparse.Namespace, store: Any, cluster: _Cluster | None) -> int:
     from core.engine.broker import User
     from core.ports.store import UserRecord
+    from leveret import passwords
+
+    passwords.install()  # the record a node writes too: argon2id (core/engine/passwords.py)
 
     if args.users_command == "add":
         u = User.create(args.name, args.password, tags=tuple(sorted(set(args.tags))), vhosts=set(args.vhosts),

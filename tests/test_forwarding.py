@@ -15,6 +15,7 @@ import grpc
 import pytest
 
 from core.cluster import internal_pb2_grpc
+from core.cluster.auth import PeerAuth
 from core.cluster.forwarding import NodeService, Peers, QueueRemote
 from core.engine.broker import Broker
 from core.engine.queue import Consumer, Queue
@@ -58,11 +59,12 @@ async def pair() -> AsyncIterator[tuple[Broker, Broker, Queue, Queue, Peers]]:
     q_owner = owner.vhosts["/"].declare_queue("q", None, durable=True)
     q_remote = other.vhosts["/"].declare_queue("q", None, durable=True)
     server = grpc.aio.server()
-    internal_pb2_grpc.add_NodeServicer_to_server(NodeService(owner, await _owned_by(owner)), server)
+    auth = PeerAuth(secret=b"a test cluster secret")
+    internal_pb2_grpc.add_NodeServicer_to_server(NodeService(owner, await _owned_by(owner), auth), server)
     port = server.add_insecure_port("127.0.0.1:0")
     await server.start()
     broken: list[str] = []
-    peers = Peers(lambda node: f"127.0.0.1:{port}" if node == "b" else None, broken.append)
+    peers = Peers(lambda node: f"127.0.0.1:{port}" if node == "b" else None, broken.append, auth)
     q_remote.remote = QueueRemote(q_remote, peers, "b")
     try:
         yield owner, other, q_owner, q_remote, peers
@@ -283,7 +285,29 @@ async def test_a_peer_speaking_another_internal_protocol_is_refused(pair: Any) -
     assert link is not None
     for metadata in ((), (("leveret-internal-protocol", "0"),)):
         with pytest.raises(grpc.aio.AioRpcError) as info:
-            await link.stub.Stats(internal_pb2.QueueRef(vhost="/", queue="q"), timeout=5, metadata=metadata)
+            await link.stub.Stats(internal_pb2.QueueRef(vhost="/", queue="q"), timeout=5,
+                                  metadata=link.auth.metadata(metadata))
         assert info.value.code() == grpc.StatusCode.FAILED_PRECONDITION
         assert f"this node's {INTERNAL_PROTOCOL}" in (info.value.details() or "")
     assert (await link.stats("/", "q")) == (0, 0)  # the node's own calls name the protocol
+
+
+async def test_a_caller_without_the_cluster_secret_is_refused(pair: Any) -> None:
+    """The internal service reads and removes messages: no token, a wrong secret or a replayed token is refused."""
+    from core.cluster import internal_pb2
+    from core.cluster.forwarding import _PROTOCOL_MD
+
+    owner, _, q_owner, _, peers = pair
+    assert q_owner.enqueue(Message("", "q", TRANSIENT, b"secret body"))
+    link = peers.link("b")
+    assert link is not None
+    stranger = PeerAuth(secret=b"not the cluster's secret")
+    ref = internal_pb2.QueueRef(vhost="/", queue="q")
+    token = link.auth.metadata(_PROTOCOL_MD)
+    await link.stub.Stats(ref, timeout=5, metadata=token)  # the genuine token works once
+    for metadata in (_PROTOCOL_MD, stranger.metadata(_PROTOCOL_MD), token):
+        with pytest.raises(grpc.aio.AioRpcError) as info:
+            await link.stub.Purge(ref, timeout=5, metadata=metadata)
+        assert info.value.code() == grpc.StatusCode.UNAUTHENTICATED
+    assert q_owner.message_count == 1  # nothing was purged
+    assert (await link.stats("/", "q")) == (1, 0)

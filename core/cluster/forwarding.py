@@ -27,6 +27,7 @@ import grpc
 
 from core.cluster import internal_pb2 as pb
 from core.cluster import internal_pb2_grpc as pb_grpc
+from core.cluster.auth import PeerAuth
 from core.engine import direct_reply
 from core.engine.queue import Consumer, QueueChannel
 from core.engine.stream import StreamQueue
@@ -35,6 +36,7 @@ from core.model import properties
 from core.model.errors import BrokerError, NotFound, NotOwner
 from core.model.fieldtable import decode_table
 from core.model.message import Message, QueuedMessage
+from core.model.ratelog import RateLimitedLog
 
 if TYPE_CHECKING:
     from core.engine.broker import Broker
@@ -315,11 +317,12 @@ class Subscriber(Protocol):
 class PeerLink:
     """This node's streams to one peer node: forwarded publishes and a session."""
 
-    def __init__(self, node_id: str, address: str, on_broken: Callable[[PeerLink], None]) -> None:
+    def __init__(self, node_id: str, address: str, on_broken: Callable[[PeerLink], None], auth: PeerAuth) -> None:
         self.node_id = node_id
         self.address = address
         self._on_broken = on_broken
-        self.channel = grpc.aio.insecure_channel(address, options=GRPC_OPTIONS)
+        self.auth = auth
+        self.channel = auth.channel(address, GRPC_OPTIONS)
         self.stub = pb_grpc.NodeStub(self.channel)
         self.closed = False
         # -- forward
@@ -345,6 +348,10 @@ class PeerLink:
         self._rejects: list[int] = []
         self._settle_scheduled = False
         self._gets: dict[int, asyncio.Future[tuple[ProxiedMessage | None, int]]] = {}
+
+    def _md(self) -> tuple[tuple[str, str], ...]:
+        """Every call's metadata: the protocol version and a fresh membership token."""
+        return self.auth.metadata(_PROTOCOL_MD)
 
     # -- forwarding publishes ---------------------------------------------------
     def forward(self, vhost: bytes, queue: bytes, message: Message) -> None:
@@ -425,7 +432,7 @@ class PeerLink:
                 yield batch
 
         try:
-            call = self.stub.Forward(requests(), metadata=_PROTOCOL_MD)
+            call = self.stub.Forward(requests(), metadata=self._md())
             async for result in call:
                 entry = self._inflight.pop(result.seq, None)
                 if entry is None:
@@ -549,7 +556,7 @@ class PeerLink:
                 yield msg
 
         try:
-            call = self.stub.Session(requests(), metadata=_PROTOCOL_MD)
+            call = self.stub.Session(requests(), metadata=self._md())
             async for event in call:
                 self._on_event(event)
         except grpc.aio.AioRpcError as exc:
@@ -597,13 +604,13 @@ class PeerLink:
                 fut.set_result((unpack_deliveries(event.packed, self, 0)[0], event.remaining))
 
     async def purge(self, vhost: str, queue: str) -> int:
-        result = await self.stub.Purge(pb.QueueRef(vhost=vhost, queue=queue), timeout=10, metadata=_PROTOCOL_MD)
+        result = await self.stub.Purge(pb.QueueRef(vhost=vhost, queue=queue), timeout=10, metadata=self._md())
         return int(result.purged)
 
     async def commit_offset(self, vhost: str, queue: str, group: str, offset: int) -> None:
         """Set a consumer group's committed offset in a stream the peer owns; returns once its store has it."""
         await self.stub.CommitOffset(pb.GroupOffset(vhost=vhost, queue=queue, group=group, offset=offset),
-                                     timeout=10, metadata=_PROTOCOL_MD)
+                                     timeout=10, metadata=self._md())
 
     async def stats(self, vhost: str, queue: str) -> tuple[int, int]:
         result = await self.stream_stats(vhost, queue)
@@ -611,7 +618,7 @@ class PeerLink:
 
     async def stream_stats(self, vhost: str, queue: str) -> pb.QueueStats:
         """The owner's figures of a queue (of a stream: its offsets, bytes and group commits too)."""
-        return await self.stub.Stats(pb.QueueRef(vhost=vhost, queue=queue), timeout=10, metadata=_PROTOCOL_MD)
+        return await self.stub.Stats(pb.QueueRef(vhost=vhost, queue=queue), timeout=10, metadata=self._md())
 
     async def close(self) -> None:
         self.closed = True
@@ -832,8 +839,11 @@ class LoadingGate(QueueRemote):
 class Peers:
     """Links to the other nodes, by node id, made on first use."""
 
-    def __init__(self, address_of: Callable[[str], str | None], on_broken: Callable[[str], None]) -> None:
+    def __init__(self, address_of: Callable[[str], str | None], on_broken: Callable[[str], None],
+                 auth: PeerAuth | None = None) -> None:
+        """``auth``: how this node proves membership to its peers; without it no peer is ever dialled."""
         self._address_of = address_of
+        self._auth = auth
         self._on_broken = on_broken
         self.links: dict[str, PeerLink] = {}
         self.on_congestion: Callable[[bool], None] | None = None
@@ -845,7 +855,9 @@ class Peers:
         address = self._address_of(node_id)
         if address is None:
             return None
-        link = PeerLink(node_id, address, self._broken)
+        if self._auth is None:
+            raise RuntimeError("no cluster credentials to dial a peer with (--cluster-secret-file or --cluster-tls-*)")
+        link = PeerLink(node_id, address, self._broken, self._auth)
         link.on_congestion = self.on_congestion
         self.links[node_id] = link
         return link
@@ -1027,8 +1039,15 @@ class _OwnerSession:
         self._settle(list(self.unacked), "requeue")
 
 
-async def _check_protocol(context: grpc.aio.ServicerContext) -> None:
-    theirs = dict(context.invocation_metadata() or ()).get(_PROTOCOL_KEY)
+async def _check_peer(context: grpc.aio.ServicerContext, auth: PeerAuth, refused: RateLimitedLog) -> None:
+    """A caller must prove it is of this cluster (core/cluster/auth.py) and speak this node's protocol."""
+    metadata = context.invocation_metadata() or ()
+    reason = auth.refusal(metadata)
+    if reason is not None:
+        refused.warning(context.peer().rpartition(":")[0],
+                        "a call to the cluster port was refused: not a member of this cluster", reason=reason)
+        await context.abort(grpc.StatusCode.UNAUTHENTICATED, "not a member of this cluster")
+    theirs = dict(metadata).get(_PROTOCOL_KEY)
     if theirs == INTERNAL_PROTOCOL:
         return
     theirs = theirs or "1 (no version sent: an older node)"
@@ -1042,9 +1061,11 @@ async def _check_protocol(context: grpc.aio.ServicerContext) -> None:
 class NodeService(pb_grpc.NodeServicer):
     """The owner's side of forwarding and proxied subscriptions."""
 
-    def __init__(self, broker: Broker, owned: OwnedQueue) -> None:
+    def __init__(self, broker: Broker, owned: OwnedQueue, auth: PeerAuth) -> None:
         self.broker = broker
         self.owned = owned
+        self.auth = auth
+        self._refused = RateLimitedLog(log)
 
     async def _enqueue_batch(self, batch: pb.ForwardBatch) -> asyncio.Future[pb.ForwardResult]:
         loop = asyncio.get_running_loop()
@@ -1088,7 +1109,7 @@ class NodeService(pb_grpc.NodeServicer):
     async def Forward(  # noqa: N802 - gRPC method name
         self, request_iterator: AsyncIterator[pb.ForwardBatch], context: grpc.aio.ServicerContext
     ) -> AsyncIterator[pb.ForwardResult]:
-        await _check_protocol(context)
+        await _check_peer(context, self.auth, self._refused)
         results: asyncio.Queue[asyncio.Future[pb.ForwardResult] | None] = asyncio.Queue()
 
         async def read() -> None:
@@ -1108,7 +1129,7 @@ class NodeService(pb_grpc.NodeServicer):
     async def Session(  # noqa: N802
         self, request_iterator: AsyncIterator[pb.SessionControl], context: grpc.aio.ServicerContext
     ) -> AsyncIterator[pb.SessionEvent]:
-        await _check_protocol(context)
+        await _check_peer(context, self.auth, self._refused)
         out: asyncio.Queue[pb.SessionEvent | None] = asyncio.Queue()
         session = _OwnerSession(self.broker, self.owned, out)
 
@@ -1130,7 +1151,7 @@ class NodeService(pb_grpc.NodeServicer):
             session.close()
 
     async def Purge(self, request: pb.QueueRef, context: grpc.aio.ServicerContext) -> pb.PurgeResult:  # noqa: N802
-        await _check_protocol(context)
+        await _check_peer(context, self.auth, self._refused)
         q = await self.owned(request.vhost, request.queue)
         if q is None:
             await context.abort(grpc.StatusCode.FAILED_PRECONDITION, "not the owner of this queue")
@@ -1140,7 +1161,7 @@ class NodeService(pb_grpc.NodeServicer):
     async def CommitOffset(  # noqa: N802
         self, request: pb.GroupOffset, context: grpc.aio.ServicerContext
     ) -> pb.CommitResult:
-        await _check_protocol(context)
+        await _check_peer(context, self.auth, self._refused)
         q = await self.owned(request.vhost, request.queue)
         if not isinstance(q, StreamQueue):
             await context.abort(grpc.StatusCode.FAILED_PRECONDITION, "not the owner of this stream")
@@ -1154,7 +1175,7 @@ class NodeService(pb_grpc.NodeServicer):
         return pb.CommitResult()
 
     async def Stats(self, request: pb.QueueRef, context: grpc.aio.ServicerContext) -> pb.QueueStats:  # noqa: N802
-        await _check_protocol(context)
+        await _check_peer(context, self.auth, self._refused)
         q = await self.owned(request.vhost, request.queue)
         if q is None:
             await context.abort(grpc.StatusCode.NOT_FOUND, "not the owner of this queue")

@@ -2,14 +2,13 @@
 
 from __future__ import annotations
 
-import hashlib
-import hmac
 import ipaddress
-import os
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+from core.engine import passwords
 from core.engine.direct_reply import ReplyRegistry
+from core.engine.login_throttle import LoginThrottle
 from core.engine.vhost import VirtualHost
 from core.model.clock import AsyncioScheduler, Scheduler
 from core.model.errors import AccessRefused, NotAllowed
@@ -20,10 +19,6 @@ if TYPE_CHECKING:
     from core.durable.durability import Durability
     from core.durable.group_commit import GroupCommitter
     from core.ports.coordinator import Cluster
-
-
-def _hash(password: str, salt: bytes) -> bytes:
-    return hashlib.pbkdf2_hmac("sha256", password.encode("utf-8"), salt, 1)
 
 
 @dataclass
@@ -37,11 +32,11 @@ class User:
 
     @classmethod
     def create(cls, name: str, password: str, **kwargs: object) -> User:
-        salt = os.urandom(16)
-        return cls(name, salt, _hash(password, salt), **kwargs)  # type: ignore[arg-type]
+        salt, record = passwords.new_record(password)
+        return cls(name, salt, record, **kwargs)  # type: ignore[arg-type]
 
     def check_password(self, password: str) -> bool:
-        return hmac.compare_digest(_hash(password, self.salt), self.password_hash)
+        return passwords.verify(self.salt, self.password_hash, password)[0]
 
 
 def is_loopback(address: str | None) -> bool:
@@ -76,6 +71,11 @@ class Broker:
         # Forwarded publishes wait at a slow owner: front ends stop reading from publishers.
         self.forward_congested = False
         self.flow_listeners: list[Callable[[bool], None]] = []
+        # Failed logins per peer address (the front ends wait its delay before refusing).
+        self.login_throttle = LoginThrottle()
+        self.recent_logins = passwords.RecentLogins()
+        # Told when a login re-hashed a user's old password record: the node persists it.
+        self.on_user_rehashed: list[Callable[[User], None]] = []
         self.add_vhost("/")
         if default_user is not None:
             name, password = default_user
@@ -108,9 +108,32 @@ class Broker:
         return user
 
     def authenticate(self, username: str, password: str, peer_host: str | None) -> User:
+        """The user, or AccessRefused; a failure counts against ``peer_host`` (``login_throttle``)."""
         user = self.users.get(username)
-        if user is None or not user.check_password(password):
+        if user is not None and self.recent_logins.known(username, user.password_hash, password):
+            ok, rehash = True, False
+        else:
+            ok, rehash = passwords.verify(user.salt, user.password_hash, password) if user else (False, False)
+        if user is None:
+            passwords.waste(password)  # as long as a wrong password: user names stay unknown
+        if user is None or not ok:
+            self.login_throttle.failed(peer_host)
             raise AccessRefused("Login was refused using authentication mechanism PLAIN")
+        if user.loopback_only and not is_loopback(peer_host):
+            raise AccessRefused(f"user '{username}' can only connect via localhost")
+        if rehash:
+            user.salt, user.password_hash = passwords.new_record(password)
+            for listener in list(self.on_user_rehashed):
+                listener(user)
+        self.recent_logins.remember(username, user.password_hash, password)
+        return user
+
+    def authenticate_external(self, username: str, peer_host: str | None) -> User:
+        """SASL EXTERNAL: the name comes from a client certificate the TLS layer verified."""
+        user = self.users.get(username)
+        if user is None:
+            self.login_throttle.failed(peer_host)
+            raise AccessRefused(f"no user '{username}' for the client certificate's name (EXTERNAL)")
         if user.loopback_only and not is_loopback(peer_host):
             raise AccessRefused(f"user '{username}' can only connect via localhost")
         return user

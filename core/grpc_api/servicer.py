@@ -70,10 +70,11 @@ def status_of(exc: BrokerError) -> grpc.StatusCode:
 class ApiError(Exception):
     """A refusal with its gRPC status (raised inside handlers, turned into an abort)."""
 
-    def __init__(self, code: grpc.StatusCode, details: str) -> None:
+    def __init__(self, code: grpc.StatusCode, details: str, delay: float = 0.0) -> None:
         super().__init__(details)
         self.code = code
         self.details = details
+        self.delay = delay  # seconds to wait before answering (a failed login)
 
 
 # -- properties ---------------------------------------------------------------
@@ -173,9 +174,12 @@ def make_filter(kind: int, topic: str) -> tuple[int, Callable[[str], bool] | Non
 class Subscription:
     """One Subscribe stream: a consumer on a queue channel, and its ConsumerSink."""
 
-    def __init__(self, api: BrokerServicer, qch: QueueChannel, prefetch: int, auto_ack: bool, max_batch: int) -> None:
+    def __init__(self, api: BrokerServicer, qch: QueueChannel, prefetch: int, auto_ack: bool, max_batch: int,
+                 owner: tuple[str, str] = ("", "")) -> None:
         self.api = api
         self.qch = qch
+        # (user, vhost) that subscribed: only the same login may settle these deliveries.
+        self.owner = owner
         self.prefetch = prefetch
         self.auto_ack = auto_ack
         self.max_batch = max_batch
@@ -313,7 +317,9 @@ class BrokerServicer(pb_grpc.BrokerServicer):
             try:
                 user = self.broker.authenticate(username, password, host)
             except BrokerError as exc:
-                raise ApiError(grpc.StatusCode.UNAUTHENTICATED, exc.text) from None
+                # A guesser waits longer for each refusal (core/engine/login_throttle.py).
+                raise ApiError(grpc.StatusCode.UNAUTHENTICATED, exc.text,
+                               delay=self.broker.login_throttle.delay(host)) from None
             if len(self._logins) > 1024:
                 self._logins.clear()
             self._logins[key] = user
@@ -522,13 +528,13 @@ class BrokerServicer(pb_grpc.BrokerServicer):
         sub: Subscription | None = None
         try:
             async with _errors(context):
-                _, vh = self._login(context)
+                user, vh = self._login(context)
                 qch = self._channel(vh, request.channel_id)
                 if qch is not qch.queue.default:
                     self._owned_here(qch.queue, "subscribe to channels other than the default one")
                 sub = Subscription(
                     self, qch, request.prefetch or DEFAULT_PREFETCH, request.auto_ack,
-                    request.max_batch or DEFAULT_BATCH,
+                    request.max_batch or DEFAULT_BATCH, owner=(user.name, vh.name),
                 )
                 qch.add_consumer(sub.consumer, dispatch=False)
             assert sub is not None
@@ -550,15 +556,22 @@ class BrokerServicer(pb_grpc.BrokerServicer):
             if sub is not None:
                 sub.close()
 
-    def _settle(self, ids: Any, requeue: bool | None) -> pb.AckResponse:
-        """requeue None: ack; True/False: nack."""
+    def _settle(self, ids: Any, requeue: bool | None, caller: tuple[str, str]) -> pb.AckResponse:
+        """requeue None: ack; True/False: nack. Only deliveries to ``caller``'s (user, vhost) subscriptions.
+
+        Another login's delivery ids are answered exactly as ids that do not
+        exist (in ``unknown``, nothing changed): delivery ids are sequential,
+        and a distinct answer would tell a prober which ids are live elsewhere.
+        """
         unknown = []
         groups: dict[int, tuple[Subscription, list[int]]] = {}
+        deliveries = self.deliveries
         for did in ids:
-            sub = self.deliveries.pop(did, None)
-            if sub is None or did not in sub.unacked:
+            sub = deliveries.get(did)
+            if sub is None or did not in sub.unacked or sub.owner != caller:
                 unknown.append(did)
                 continue
+            del deliveries[did]
             groups.setdefault(id(sub), (sub, []))[1].append(did)
         settled = 0
         for sub, dids in groups.values():
@@ -577,14 +590,14 @@ class BrokerServicer(pb_grpc.BrokerServicer):
 
     async def Ack(self, request: pb.AckRequest, context: Any) -> pb.AckResponse:
         async with _errors(context):
-            self._login(context)
-            return self._settle(request.delivery_ids, None)
+            user, vh = self._login(context)
+            return self._settle(request.delivery_ids, None, (user.name, vh.name))
         raise AssertionError("unreachable")
 
     async def Nack(self, request: pb.NackRequest, context: Any) -> pb.AckResponse:
         async with _errors(context):
-            self._login(context)
-            return self._settle(request.delivery_ids, request.requeue)
+            user, vh = self._login(context)
+            return self._settle(request.delivery_ids, request.requeue, (user.name, vh.name))
         raise AssertionError("unreachable")
 
     # -- cluster -----------------------------------------------------------------
@@ -640,6 +653,8 @@ class _errors:
 
     async def __aexit__(self, exc_type: Any, exc: BaseException | None, tb: Any) -> bool:
         if isinstance(exc, ApiError):
+            if exc.delay:
+                await asyncio.sleep(exc.delay)
             await self.context.abort(exc.code, exc.details)
         if isinstance(exc, BrokerError):
             await self.context.abort(status_of(exc), exc.reply_text)
