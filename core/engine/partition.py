@@ -53,20 +53,6 @@ def _check_create(vh: VirtualHost, name: str, partitions: int) -> None:
             )
 
 
-def create(vh: VirtualHost, name: str, partitions: int, arguments: dict[str, Any], owner: object = None
-           ) -> list[StreamQueue]:
-    """Declare a partitioned stream (idempotent when it exists with the same partition count)."""
-    _check_create(vh, name, partitions)
-    vh.declare_exchange(name, PartitionExchange.type, durable=True)
-    queues = []
-    for i in range(partitions):
-        q = vh.declare_queue(partition_name(name, i), owner, durable=True, arguments=arguments)
-        assert isinstance(q, StreamQueue)
-        vh.bind(name, q, str(i), None)
-        queues.append(q)
-    return queues
-
-
 def exchange_of(vh: VirtualHost, name: str) -> PartitionExchange | None:
     x = vh.exchanges.get(name)
     return x if isinstance(x, PartitionExchange) else None
@@ -118,14 +104,4 @@ async def remove(coordinator: Coordinator, vh: VirtualHost, name: str, owner: ob
         dropped += await coordinator.delete_queue(vh, q.name, owner, False, False)
     if exchange_of(vh, name) is not None:
         await coordinator.delete_exchange(vh, name, False)
-    return dropped
-
-
-def delete(vh: VirtualHost, name: str, owner: object = None) -> int:
-    """Delete a stream, or a partitioned stream with all its partitions; messages dropped."""
-    dropped = 0
-    for q in resolve(vh, name):
-        dropped += vh.delete_queue(q.name, owner)
-    if exchange_of(vh, name) is not None:
-        vh.delete_exchange(name)
     return dropped
