@@ -279,6 +279,47 @@ class SQLiteStore:
         return await self._run(load)
 
 
+_NUMBERED = re.compile(r"^(\d+)_.*\.sql$")
+
+
+def apply_sqlite(db: sqlite3.Connection, directory: Path) -> list[int]:
+    """Apply the numbered migrations (NNN_name.sql) not applied yet, in order; return them."""
+    db.execute("CREATE TABLE IF NOT EXISTS schema_migrations (version INTEGER PRIMARY KEY, applied_at TEXT NOT NULL)")
+    done = {row[0] for row in db.execute("SELECT version FROM schema_migrations")}
+    found = sorted((int(m.group(1)), p) for p in directory.iterdir() if (m := _NUMBERED.match(p.name)))
+    applied = []
+    for version, path in found:
+        if version in done:
+            continue
+        try:
+            db.executescript(
+                f"BEGIN IMMEDIATE;\n{path.read_text()}\n"
+                f"INSERT INTO schema_migrations VALUES ({version}, datetime('now'));\nCOMMIT;"
+            )
+        except sqlite3.Error:
+            if db.in_transaction:
+                db.rollback()
+            raise
+        applied.append(version)
+    return applied
+
+
+class _transaction:
+    """BEGIN IMMEDIATE ... COMMIT, or ROLLBACK on any exception."""
+
+    def __init__(self, db: sqlite3.Connection) -> None:
+        self.db = db
+
+    def __enter__(self) -> None:
+        self.db.execute("BEGIN IMMEDIATE")
+
+    def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> None:
+        if exc_type is None:
+            self.db.execute("COMMIT")
+        else:
+            self.db.execute("ROLLBACK")
+
+
 def _save_exchange(db: sqlite3.Connection, record: ExchangeRecord) -> None:
     db.execute(
         "INSERT OR REPLACE INTO exchanges (vhost, name, type, auto_delete, internal, arguments)"
@@ -365,44 +406,3 @@ def _claim(db: sqlite3.Connection, vhost: str, queue: str, epoch: int | None) ->
         (vhost, queue, new),
     )
     return new
-
-
-_NUMBERED = re.compile(r"^(\d+)_.*\.sql$")
-
-
-def apply_sqlite(db: sqlite3.Connection, directory: Path) -> list[int]:
-    """Apply the numbered migrations (NNN_name.sql) not applied yet, in order; return them."""
-    db.execute("CREATE TABLE IF NOT EXISTS schema_migrations (version INTEGER PRIMARY KEY, applied_at TEXT NOT NULL)")
-    done = {row[0] for row in db.execute("SELECT version FROM schema_migrations")}
-    found = sorted((int(m.group(1)), p) for p in directory.iterdir() if (m := _NUMBERED.match(p.name)))
-    applied = []
-    for version, path in found:
-        if version in done:
-            continue
-        try:
-            db.executescript(
-                f"BEGIN IMMEDIATE;\n{path.read_text()}\n"
-                f"INSERT INTO schema_migrations VALUES ({version}, datetime('now'));\nCOMMIT;"
-            )
-        except sqlite3.Error:
-            if db.in_transaction:
-                db.rollback()
-            raise
-        applied.append(version)
-    return applied
-
-
-class _transaction:
-    """BEGIN IMMEDIATE ... COMMIT, or ROLLBACK on any exception."""
-
-    def __init__(self, db: sqlite3.Connection) -> None:
-        self.db = db
-
-    def __enter__(self) -> None:
-        self.db.execute("BEGIN IMMEDIATE")
-
-    def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> None:
-        if exc_type is None:
-            self.db.execute("COMMIT")
-        else:
-            self.db.execute("ROLLBACK")
