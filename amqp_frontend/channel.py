@@ -10,7 +10,8 @@ from __future__ import annotations
 import base64
 import os
 from collections import OrderedDict, deque
-from typing import TYPE_CHECKING, Any
+from collections.abc import Awaitable, Callable
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from pamqp import commands
 from pamqp.base import Frame as Method
@@ -20,7 +21,6 @@ from core.engine import direct_reply
 from core.engine.exchange import Exchange
 from core.engine.queue import Consumer, Queue, QueueChannel
 from core.engine.stream import StreamQueue
-from core.engine.vhost import server_generated_name
 from core.model import properties
 from core.model.errors import (
     AccessRefused,
@@ -33,6 +33,7 @@ from core.model.errors import (
     UnexpectedFrame,
 )
 from core.model.message import Message, QueuedMessage
+from core.ports.coordinator import Immediate
 
 if TYPE_CHECKING:
     from amqp_frontend.connection import Connection
@@ -42,6 +43,7 @@ if TYPE_CHECKING:
 Unacked = tuple[QueuedMessage, Consumer | None, QueueChannel]
 
 NO_ROUTE = 312
+T = TypeVar("T")
 
 
 class Channel:
@@ -513,225 +515,129 @@ class Channel:
             raise NotImplementedFeature("active=false")
         self._reply(commands.Channel.FlowOk(active=True))
 
+    # Every declaration, deletion, binding change, purge, get and count goes through the
+    # coordinator (core/ports/coordinator.py), on one node as in a cluster. An answer it has at
+    # once is handled at once; otherwise the connection suspends input until it comes.
+    def _when(self, class_id: int, method_id: int, op: Awaitable[T], then: Callable[[T], None]) -> None:
+        if isinstance(op, Immediate):
+            then(op.value)
+        else:
+            self.conn.suspend(self, class_id, method_id, op, then)
+
     # exchange
     def _exchange_declare(self, m: commands.Exchange.Declare) -> None:
-        assert self.vhost is not None
-        cluster = self.conn.broker.cluster
-        if cluster is not None and not m.passive:
-            op = cluster.declare_exchange(self.vhost, m.exchange, m.exchange_type, m.durable, m.auto_delete,
-                                          m.internal, dict(m.arguments or {}))
-            self.conn.suspend(self, 40, 10, op, lambda _: self._exchange_declare_local(m))
+        vhost = self.vhost
+        assert vhost is not None
+        if m.passive:
+            vhost.declare_exchange(m.exchange, m.exchange_type, passive=True)
+            self._exchange_declared(m, None)
             return
-        self._exchange_declare_local(m)
-
-    def _exchange_declare_local(self, m: commands.Exchange.Declare) -> None:
-        assert self.vhost is not None
-        self.vhost.declare_exchange(
-            m.exchange,
-            m.exchange_type,
-            passive=m.passive,
-            durable=m.durable,
-            auto_delete=m.auto_delete,
-            internal=m.internal,
-            arguments=m.arguments,
+        op = self.conn.broker.cluster.declare_exchange(
+            vhost, m.exchange, m.exchange_type, m.durable, m.auto_delete, m.internal, dict(m.arguments or {})
         )
+        self._when(40, 10, op, lambda _: self._exchange_declared(m, None))
+
+    def _exchange_declared(self, m: commands.Exchange.Declare, _: None) -> None:
         if not m.nowait:
             self._reply(commands.Exchange.DeclareOk())
 
     def _exchange_delete(self, m: commands.Exchange.Delete) -> None:
         assert self.vhost is not None
-        cluster = self.conn.broker.cluster
-        if cluster is not None and m.exchange in self.vhost.exchanges and not m.exchange.startswith("amq."):
-            op = cluster.delete_exchange(self.vhost, m.exchange, m.if_unused)
-            self.conn.suspend(self, 40, 20, op, lambda _: self._exchange_delete_local(m))
-            return
-        self._exchange_delete_local(m)
+        op = self.conn.broker.cluster.delete_exchange(self.vhost, m.exchange, m.if_unused)
+        self._when(40, 20, op, lambda _: None if m.nowait else self._reply(commands.Exchange.DeleteOk()))
 
-    def _exchange_delete_local(self, m: commands.Exchange.Delete) -> None:
+    def _bind(self, class_id: int, method_id: int, source: str, kind: str, dest: str, routing_key: str,
+              arguments: dict[str, Any] | None, add: bool, reply: Method | None) -> None:
         assert self.vhost is not None
-        self.vhost.delete_exchange(m.exchange, if_unused=m.if_unused)
-        if not m.nowait:
-            self._reply(commands.Exchange.DeleteOk())
-
-    def _cluster_bind(self, class_id: int, method_id: int, source: str, kind: str, dest: str, routing_key: str,
-                      arguments: dict[str, Any] | None, add: bool, then: Any) -> bool:
-        """Cluster mode: agree a binding change in etcd first; False in single node mode."""
-        cluster = self.conn.broker.cluster
-        if cluster is None:
-            return False
-        assert self.vhost is not None
-        if source == "":
-            raise AccessRefused("operation not permitted on the default exchange")
-        if add:
-            self.vhost.get_exchange(source)  # 404 before asking the cluster
-        op = cluster.bind(self.vhost, source, kind, dest, routing_key, dict(arguments or {}), add)
-        self.conn.suspend(self, class_id, method_id, op, lambda _: then())
-        return True
+        op = self.conn.broker.cluster.bind(self.vhost, source, kind, dest, routing_key, dict(arguments or {}), add)
+        self._when(class_id, method_id, op, lambda _: None if reply is None else self._reply(reply))
 
     def _exchange_bind(self, m: commands.Exchange.Bind) -> None:
         assert self.vhost is not None
         dest = self.vhost.get_exchange(m.destination)
-        if self._cluster_bind(40, 30, m.source, "exchange", dest.name, m.routing_key, m.arguments, True,
-                              lambda: self._exchange_bind_local(m)):
-            return
-        self._exchange_bind_local(m)
-
-    def _exchange_bind_local(self, m: commands.Exchange.Bind) -> None:
-        assert self.vhost is not None
-        dest = self.vhost.get_exchange(m.destination)
-        self.vhost.bind(m.source, dest, m.routing_key, m.arguments)
-        if not m.nowait:
-            self._reply(commands.Exchange.BindOk())
+        self._bind(40, 30, m.source, "exchange", dest.name, m.routing_key, m.arguments, True,
+                   None if m.nowait else commands.Exchange.BindOk())
 
     def _exchange_unbind(self, m: commands.Exchange.Unbind) -> None:
         assert self.vhost is not None
-        if m.destination in self.vhost.exchanges and self._cluster_bind(
-            40, 40, m.source, "exchange", m.destination, m.routing_key, m.arguments, False,
-            lambda: self._exchange_unbind_local(m),
-        ):
-            return
-        self._exchange_unbind_local(m)
-
-    def _exchange_unbind_local(self, m: commands.Exchange.Unbind) -> None:
-        assert self.vhost is not None
-        dest = self.vhost.exchanges.get(m.destination)
-        if dest is not None:  # unbinding from or to what is gone succeeds, as in RabbitMQ
-            self.vhost.unbind(m.source, dest, m.routing_key, m.arguments)
-        if not m.nowait:
-            self._reply(commands.Exchange.UnbindOk())
+        # Unbinding from or to what is gone succeeds, as in RabbitMQ.
+        self._bind(40, 40, m.source, "exchange", m.destination, m.routing_key, m.arguments, False,
+                   None if m.nowait else commands.Exchange.UnbindOk())
 
     # queue
     def _queue_declare(self, m: commands.Queue.Declare) -> None:
-        assert self.vhost is not None
+        vhost = self.vhost
+        assert vhost is not None
         name = m.queue
         if name == direct_reply.PSEUDO_QUEUE or name.startswith(direct_reply.PREFIX):
             # RPC servers declare a reply address to see whether the requester is still there.
             if name != direct_reply.PSEUDO_QUEUE and not self.conn.broker.reply_to.is_live(name):
-                raise NotFound(f"no queue '{name}' in vhost '{self.vhost.name}'")
+                raise NotFound(f"no queue '{name}' in vhost '{vhost.name}'")
             if not m.nowait:
                 self._reply(commands.Queue.DeclareOk(queue=name, message_count=0, consumer_count=1))
             return
-        if m.passive and not name:
-            name = self._queue_name("")
-        cluster = self.conn.broker.cluster
-        if cluster is not None:
-            self._queue_declare_cluster(m, name or server_generated_name())
+        if m.passive:
+            self._queue_declared(m, vhost.get_queue(self._queue_name(name), self.conn))
             return
-        q = self.vhost.declare_queue(
-            name,
-            self.conn,
-            passive=m.passive,
-            durable=m.durable,
-            exclusive=m.exclusive,
-            auto_delete=m.auto_delete,
-            arguments=m.arguments,
-        )
+        op = self.conn.broker.cluster.declare_queue(vhost, name, self.conn, m.durable, m.exclusive, m.auto_delete,
+                                                    dict(m.arguments or {}))
+        self._when(50, 10, op, lambda q: self._queue_declared(m, q))
+
+    def _queue_declared(self, m: commands.Queue.Declare, q: Queue) -> None:
         self.last_queue = q.name
-        if not m.nowait:
-            self._reply(
-                commands.Queue.DeclareOk(queue=q.name, message_count=q.message_count, consumer_count=q.consumer_count)
-            )
-
-    def _queue_declare_cluster(self, m: commands.Queue.Declare, name: str) -> None:
-        vhost, cluster = self.vhost, self.conn.broker.cluster
-        assert vhost is not None and cluster is not None
-        conn = self.conn
-
-        async def op() -> tuple[Queue, int, int]:
-            if not m.passive:
-                await cluster.declare_queue(vhost, name, conn, m.durable, m.exclusive, m.auto_delete,
-                                            dict(m.arguments or {}))
-            q = vhost.declare_queue(name, conn, passive=m.passive, durable=m.durable, exclusive=m.exclusive,
-                                    auto_delete=m.auto_delete, arguments=m.arguments)
-            messages, consumers = await cluster.counts(q)
-            return q, messages, consumers
-
-        def then(result: tuple[Queue, int, int]) -> None:
-            q, messages, consumers = result
-            self.last_queue = q.name
-            if not m.nowait:
-                self._reply(commands.Queue.DeclareOk(queue=q.name, message_count=messages, consumer_count=consumers))
-
-        conn.suspend(self, 50, 10, op(), then)
+        if m.nowait:
+            return
+        self._when(50, 10, self.conn.broker.cluster.counts(q), lambda counts: self._reply(
+            commands.Queue.DeclareOk(queue=q.name, message_count=counts[0], consumer_count=counts[1])))
 
     def _get_queue(self, name: str) -> Queue:
         assert self.vhost is not None
         return self.vhost.get_queue(self._queue_name(name), self.conn)
 
     def _queue_bind(self, m: commands.Queue.Bind) -> None:
-        assert self.vhost is not None
         routing_key = m.routing_key
         if not m.queue and not routing_key:
             routing_key = self._queue_name("")
         q = self._get_queue(m.queue)
-
-        def local() -> None:
-            assert self.vhost is not None
-            self.vhost.bind(m.exchange, q, routing_key, m.arguments)
-            if not m.nowait:
-                self._reply(commands.Queue.BindOk())
-
-        if not self._cluster_bind(50, 20, m.exchange, "queue", q.name, routing_key, m.arguments, True, local):
-            local()
+        self._bind(50, 20, m.exchange, "queue", q.name, routing_key, m.arguments, True,
+                   None if m.nowait else commands.Queue.BindOk())
 
     def _queue_unbind(self, m: commands.Queue.Unbind) -> None:
         assert self.vhost is not None
-        if self._queue_name(m.queue) in self.vhost.queues:  # a missing queue unbinds fine, as in RabbitMQ
-            q = self._get_queue(m.queue)
-
-            def local() -> None:
-                assert self.vhost is not None
-                self.vhost.unbind(m.exchange, q, m.routing_key, m.arguments)
-                self._reply(commands.Queue.UnbindOk())
-
-            if not self._cluster_bind(50, 50, m.exchange, "queue", q.name, m.routing_key, m.arguments, False, local):
-                local()
+        if self._queue_name(m.queue) not in self.vhost.queues:  # a missing queue unbinds fine, as in RabbitMQ
+            self._reply(commands.Queue.UnbindOk())
             return
-        self._reply(commands.Queue.UnbindOk())
+        q = self._get_queue(m.queue)
+        self._bind(50, 50, m.exchange, "queue", q.name, m.routing_key, m.arguments, False, commands.Queue.UnbindOk())
 
     def _queue_purge(self, m: commands.Queue.Purge) -> None:
         q = self._get_queue(m.queue)
-        cluster = self.conn.broker.cluster
-        if cluster is not None and q.remote is not None:
-            self.conn.suspend(self, 50, 30, cluster.purge(q), lambda count: self._purged(m, count))
-            return
-        self._purged(m, q.purge())
-
-    def _purged(self, m: commands.Queue.Purge, count: int) -> None:
-        if not m.nowait:
-            self._reply(commands.Queue.PurgeOk(message_count=count))
+        self._when(50, 30, self.conn.broker.cluster.purge(q), lambda count: None if m.nowait else self._reply(
+            commands.Queue.PurgeOk(message_count=count)))
 
     def _queue_delete(self, m: commands.Queue.Delete) -> None:
         assert self.vhost is not None
-        cluster = self.conn.broker.cluster
-        name = self._queue_name(m.queue)
-        vhost = self.vhost
-        if cluster is not None and name in vhost.queues:
-            self._deferred_cancels = []
-
-            def deleted(count: int) -> None:
-                deferred, self._deferred_cancels = self._deferred_cancels or [], None
-                if not m.nowait:
-                    self._reply(commands.Queue.DeleteOk(message_count=count))
-                for tag in deferred:
-                    self.conn.send_method(self.number, commands.Basic.Cancel(consumer_tag=tag, nowait=True))
-
-            async def op() -> int:
-                try:
-                    return await cluster.delete_queue(vhost, name, self.conn, m.if_unused, m.if_empty)
-                except BaseException:
-                    self._deferred_cancels = None
-                    raise
-
-            self.conn.suspend(self, 50, 40, op(), deleted)
-            return
+        # Cancels of this channel's own consumers wait for delete-ok (see _deferred_cancels).
         self._deferred_cancels = []
         try:
-            count = self.vhost.delete_queue(
-                self._queue_name(m.queue), self.conn, if_unused=m.if_unused, if_empty=m.if_empty
-            )
-        finally:
-            deferred, self._deferred_cancels = self._deferred_cancels, None
+            op = self.conn.broker.cluster.delete_queue(self.vhost, self._queue_name(m.queue), self.conn,
+                                                       m.if_unused, m.if_empty)
+        except BaseException:
+            self._deferred_cancels = None
+            raise
+        if not isinstance(op, Immediate):
+            op = self._forget_cancels_on_error(op)
+        self._when(50, 40, op, lambda count: self._queue_deleted(m, count))
+
+    async def _forget_cancels_on_error(self, op: Awaitable[int]) -> int:
+        try:
+            return await op
+        except BaseException:
+            self._deferred_cancels = None
+            raise
+
+    def _queue_deleted(self, m: commands.Queue.Delete, count: int) -> None:
+        deferred, self._deferred_cancels = self._deferred_cancels or [], None
         if not m.nowait:
             self._reply(commands.Queue.DeleteOk(message_count=count))
         for tag in deferred:
@@ -807,15 +713,8 @@ class Channel:
     def _basic_get(self, m: commands.Basic.Get) -> None:
         q = self._get_queue(m.queue)
         stream_consumer.refuse_get(q)
-        cluster = self.conn.broker.cluster
-        if cluster is not None and q.remote is not None:
-            self.conn.suspend(self, 60, 70, cluster.get(q, m.no_ack),
-                              lambda result: self._got(m, q.default, result[0], result[1]))
-            return
-        q.touch()
-        qch = q.default
-        qm = qch.get(m.no_ack)
-        self._got(m, qch, qm, len(qch.ready))
+        self._when(60, 70, self.conn.broker.cluster.get(q, m.no_ack),
+                   lambda result: self._got(m, q.default, result[0], result[1]))
 
     def _got(self, m: commands.Basic.Get, qch: QueueChannel, qm: QueuedMessage | None, remaining: int) -> None:
         if qm is None:

@@ -19,6 +19,7 @@ from pamqp import body as pbody
 from pamqp import commands, frame, header
 
 from amqp_frontend.connection import Connection
+from coordination.local import LocalCoordinator
 from core.engine.broker import Broker
 
 
@@ -34,7 +35,7 @@ def _handshake(conn: Connection) -> None:
 
 
 def run(messages: int, profile: bool) -> float:
-    broker = Broker()
+    broker = Broker(coordinator=LocalCoordinator())
     pub, sub = Connection(broker, peer=("127.0.0.1", 1)), Connection(broker, peer=("127.0.0.1", 2))
     _handshake(pub)
     _handshake(sub)

@@ -48,8 +48,8 @@ from core.engine.exchange import Exchange
 from core.engine.ownership import Lease, Ownership, OwnershipState
 from core.engine.queue import Queue
 from core.engine.stream import StreamQueue
-from core.engine.vhost import VirtualHost
-from core.model.errors import BrokerError, NotFound, PreconditionFailed
+from core.engine.vhost import VirtualHost, server_generated_name
+from core.model.errors import AccessRefused, BrokerError, NotFound, PreconditionFailed
 from core.model.message import Message, QueuedMessage
 from core.ports.coordinator import ClusterStartError
 from core.ports.store import Fenced, MessageStore, QueueRecord, StoreError
@@ -129,7 +129,7 @@ def _endpoint(url: str) -> tuple[str, int]:
 
 
 class EtcdCluster:
-    """The etcd coordinator of one node (core.ports.coordinator.Cluster)."""
+    """The etcd coordinator of one node (core.ports.coordinator.Coordinator)."""
 
     def __init__(
         self,
@@ -1022,19 +1022,21 @@ class EtcdCluster:
         self, vhost: VirtualHost, name: str, type_: str, durable: bool, auto_delete: bool, internal: bool,
         arguments: dict[str, Any],
     ) -> None:
-        if name in vhost.exchanges:
-            return  # the local mirror decides equivalence
-        vhost.check_new_exchange(name, type_, arguments)
-        key = self.keys.exchange(vhost.name, name)
-        value = dumps({"type": type_, "durable": durable, "auto_delete": auto_delete, "internal": internal,
-                       "arguments": encode_args(arguments)})
-        t = self.client.transactions
-        ok, responses = await self._txn([t.create(key) == 0], [t.put(key, value)], [t.get(key)])
-        stored = loads(value) if ok else _first_value(responses)
-        if stored is not None:
-            self._exchange_event(vhost.name, name, stored)
+        if name not in vhost.exchanges:  # else the local mirror decides equivalence, below
+            vhost.check_new_exchange(name, type_, arguments)
+            key = self.keys.exchange(vhost.name, name)
+            value = dumps({"type": type_, "durable": durable, "auto_delete": auto_delete, "internal": internal,
+                           "arguments": encode_args(arguments)})
+            t = self.client.transactions
+            ok, responses = await self._txn([t.create(key) == 0], [t.put(key, value)], [t.get(key)])
+            stored = loads(value) if ok else _first_value(responses)
+            if stored is not None:
+                self._exchange_event(vhost.name, name, stored)
+        vhost.declare_exchange(name, type_, durable=durable, auto_delete=auto_delete, internal=internal,
+                               arguments=arguments)
 
     async def delete_exchange(self, vhost: VirtualHost, name: str, if_unused: bool) -> None:
+        vhost.check_exchange_deletable(name)
         x = vhost.exchanges.get(name)
         if x is None:
             return
@@ -1049,9 +1051,18 @@ class EtcdCluster:
     async def declare_queue(
         self, vhost: VirtualHost, name: str, owner: object, durable: bool, exclusive: bool, auto_delete: bool,
         arguments: dict[str, Any],
+    ) -> Queue:
+        if not name:
+            name = server_generated_name()
+        if name not in vhost.queues:  # else the local declare checks equivalence and exclusivity, below
+            await self._agree_queue(vhost, name, owner, durable, exclusive, auto_delete, arguments)
+        return vhost.declare_queue(name, owner, durable=durable, exclusive=exclusive, auto_delete=auto_delete,
+                                   arguments=arguments)
+
+    async def _agree_queue(
+        self, vhost: VirtualHost, name: str, owner: object, durable: bool, exclusive: bool, auto_delete: bool,
+        arguments: dict[str, Any],
     ) -> None:
-        if name in vhost.queues:
-            return  # the local declare checks equivalence and exclusivity
         vhost.check_new_queue(name, arguments)
         key = self.keys.queue(vhost.name, name)
         okey = self.keys.owner(vhost.name, name)
@@ -1175,6 +1186,12 @@ class EtcdCluster:
         self, vhost: VirtualHost, source: str, kind: str, destination: str, routing_key: str,
         arguments: dict[str, Any], add: bool,
     ) -> None:
+        if not add and (vhost.queues if kind == "queue" else vhost.exchanges).get(destination) is None:
+            return  # unbinding what is gone succeeds, as in RabbitMQ
+        if source == "":
+            raise AccessRefused("operation not permitted on the default exchange")
+        if add:
+            vhost.get_exchange(source)  # 404 before asking the cluster
         key = self.keys.binding(vhost.name, source, kind, destination, routing_key, arguments)
         t = self.client.transactions
         if add:
@@ -1226,6 +1243,7 @@ class EtcdCluster:
 
     async def get(self, queue: Queue, no_ack: bool) -> tuple[QueuedMessage | None, int]:
         if queue.remote is None:
+            queue.touch()  # basic.get counts as use for x-expires
             qm = queue.default.get(no_ack)
             return qm, queue.message_count
         link = self._link_for(queue)

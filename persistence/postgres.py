@@ -48,6 +48,7 @@ from core.ports.store import (
     StoredMessage,
     StoreError,
     Topology,
+    TopologyWrite,
     UserRecord,
 )
 from persistence.schema import POSTGRES_MIGRATIONS, apply_postgres
@@ -491,7 +492,19 @@ class PostgresStore:
     async def _commit(self, batch: Batch, *, idempotent: bool) -> None:
         async with self._connection() as conn, conn.transaction():
             cur = conn.cursor()
-            await self._check_epochs(cur, batch.epochs)
+            for sql, rows in _topology_statements(batch.topology):
+                await cur.executemany(sql, rows)
+            claimed: dict[tuple[str, str], int] = {}
+            if batch.claims:
+                vhosts, queues = _columns(list(dict.fromkeys(batch.claims)), 2)
+                await cur.execute(
+                    "INSERT INTO queue_epochs (vhost, queue, epoch) SELECT v, q, 1 FROM unnest(%s::text[], %s::text[])"
+                    " AS u(v, q) ON CONFLICT (vhost, queue) DO UPDATE SET epoch = queue_epochs.epoch + 1"
+                    " RETURNING vhost, queue, epoch",
+                    (vhosts, queues),
+                )
+                claimed = {(v, q): int(e) for v, q, e in await cur.fetchall()}
+            await self._check_epochs(cur, {k: e for k, e in batch.epochs.items() if k not in claimed})
             if batch.purges:
                 vhosts, queues = _columns(sorted(set(batch.purges)), 2)
                 await cur.execute(
@@ -535,6 +548,7 @@ class PostgresStore:
                     ' ON CONFLICT (vhost, queue, grp) DO UPDATE SET "offset" = EXCLUDED."offset"',
                     (vhosts, queues, groups, offsets),
                 )
+        batch.claimed = claimed  # the transaction committed
 
     async def load_range(self, vhost: str, queue: str, start: int, below: int | None, limit: int
                          ) -> list[StoredMessage]:
@@ -610,7 +624,8 @@ def _split(batch: Batch, connections: int) -> list[Batch]:
     parts = min(connections, len(batch.appends), total // SPLIT_PART_BYTES)
     # Purges stay with their appends: a purge in one part, run after another
     # part committed, would delete messages published after it.
-    if total < SPLIT_MIN_BYTES or parts < 2 or batch.purges:
+    # Topology and claims come before the epoch check of every part: one transaction.
+    if total < SPLIT_MIN_BYTES or parts < 2 or batch.purges or batch.topology or batch.claims:
         return [batch]
     appends = list(batch.appends)
     # A delivery count for a message appended in this batch goes into the
@@ -647,10 +662,78 @@ def _require_epochs(batch: Batch) -> None:
     touched.update(batch.purges)
     touched.update((v, q) for v, q, _ in batch.truncations)
     touched.update((v, q) for v, q, _ in batch.offsets)
-    missing = touched.difference(batch.epochs)
+    missing = touched.difference(batch.epochs, batch.claims)
     if missing:
         names = ", ".join(f"{v}/{q}" for v, q in sorted(missing))
         raise ValueError(f"batch writes to queue(s) without an epoch: {names}")
+
+
+_SAVE_EXCHANGE = (
+    "INSERT INTO exchanges (vhost, name, type, auto_delete, internal, arguments) VALUES (%s, %s, %s, %s, %s, %s)"
+    " ON CONFLICT (vhost, name) DO UPDATE SET type = EXCLUDED.type, auto_delete = EXCLUDED.auto_delete,"
+    " internal = EXCLUDED.internal, arguments = EXCLUDED.arguments"
+)
+_SAVE_QUEUE = (
+    "INSERT INTO queues (vhost, name, auto_delete, arguments) VALUES (%s, %s, %s, %s)"
+    " ON CONFLICT (vhost, name) DO UPDATE SET auto_delete = EXCLUDED.auto_delete, arguments = EXCLUDED.arguments"
+)
+_SAVE_BINDING = (
+    "INSERT INTO bindings (vhost, source, destination_kind, destination, routing_key, arguments, arguments_key)"
+    " VALUES (%s, %s, %s, %s, %s, %s, %s)"
+    " ON CONFLICT (vhost, source, destination_kind, destination, routing_key, arguments_key)"
+    " DO UPDATE SET arguments = EXCLUDED.arguments"
+)
+_DELETE_BINDING = (
+    "DELETE FROM bindings WHERE vhost = %s AND source = %s AND destination_kind = %s AND destination = %s"
+    " AND routing_key = %s AND arguments_key = %s"
+)
+# A deleted exchange or queue: each statement gets (vhost, name).
+_DELETE_EXCHANGE = (
+    "DELETE FROM bindings WHERE vhost = %s AND (source = %s OR (destination_kind = 'exchange' AND destination = %s))",
+    "DELETE FROM exchanges WHERE vhost = %s AND name = %s",
+)
+_DELETE_QUEUE = (
+    "DELETE FROM queue_epochs WHERE vhost = %s AND queue = %s",
+    "DELETE FROM messages WHERE vhost = %s AND queue = %s",
+    "DELETE FROM stream_offsets WHERE vhost = %s AND queue = %s",
+    "DELETE FROM bindings WHERE vhost = %s AND destination_kind = 'queue' AND destination = %s",
+    "DELETE FROM queues WHERE vhost = %s AND name = %s",
+)
+
+
+def _topology_statements(writes: Sequence[TopologyWrite]) -> list[tuple[str, list[tuple[Any, ...]]]]:
+    """(statement, rows) in the order of ``writes``: consecutive writes of one kind share an executemany
+    (pipelined by psycopg), so a burst of declarations costs a few round trips, not one each."""
+    out: list[tuple[str, list[tuple[Any, ...]]]] = []
+
+    def add(sql: str, row: tuple[Any, ...]) -> None:
+        if out and out[-1][0] == sql:
+            out[-1][1].append(row)
+        else:
+            out.append((sql, [row]))
+
+    for w in writes:
+        r = w.record
+        if isinstance(r, ExchangeRecord):
+            if w.delete:
+                add(_DELETE_EXCHANGE[0], (r.vhost, r.name, r.name))
+                add(_DELETE_EXCHANGE[1], (r.vhost, r.name))
+            else:
+                add(_SAVE_EXCHANGE, (r.vhost, r.name, r.type, r.auto_delete, r.internal,
+                                     _encode_arguments(r.arguments)))
+        elif isinstance(r, QueueRecord):
+            if w.delete:
+                for sql in _DELETE_QUEUE:
+                    add(sql, (r.vhost, r.name))
+            else:
+                add(_SAVE_QUEUE, (r.vhost, r.name, r.auto_delete, _encode_arguments(r.arguments)))
+        elif w.delete:
+            add(_DELETE_BINDING, (r.vhost, r.source, r.destination_kind, r.destination, r.routing_key,
+                                  binding_arguments_key(r.arguments)))
+        else:
+            add(_SAVE_BINDING, (r.vhost, r.source, r.destination_kind, r.destination, r.routing_key,
+                                _encode_arguments(r.arguments), binding_arguments_key(r.arguments)))
+    return out
 
 
 def _columns(rows: Sequence[tuple[Any, ...]], width: int) -> list[list[Any]]:

@@ -28,6 +28,7 @@ from core.ports.store import (
     StoredMessage,
     StoreError,
     Topology,
+    TopologyWrite,
     UserRecord,
 )
 from persistence.schema import SQLITE_MIGRATIONS, apply_sqlite
@@ -112,70 +113,30 @@ class SQLiteStore:
         return await self._run(load)
 
     async def save_exchange(self, record: ExchangeRecord) -> None:
-        await self._run(
-            lambda db: db.execute(
-                "INSERT OR REPLACE INTO exchanges (vhost, name, type, auto_delete, internal, arguments)"
-                " VALUES (?, ?, ?, ?, ?, ?)",
-                (record.vhost, record.name, record.type, int(record.auto_delete), int(record.internal),
-                 encode_table(record.arguments)),
-            )
-        )
+        await self._run(lambda db: _save_exchange(db, record))
 
     async def delete_exchange(self, vhost: str, name: str) -> None:
         def delete(db: sqlite3.Connection) -> None:
             with _transaction(db):
-                db.execute("DELETE FROM exchanges WHERE vhost = ? AND name = ?", (vhost, name))
-                db.execute(
-                    "DELETE FROM bindings WHERE vhost = ? AND (source = ? OR"
-                    " (destination_kind = 'exchange' AND destination = ?))",
-                    (vhost, name, name),
-                )
+                _delete_exchange(db, vhost, name)
 
         await self._run(delete)
 
     async def save_queue(self, record: QueueRecord) -> None:
-        await self._run(
-            lambda db: db.execute(
-                "INSERT OR REPLACE INTO queues (vhost, name, auto_delete, arguments) VALUES (?, ?, ?, ?)",
-                (record.vhost, record.name, int(record.auto_delete), encode_table(record.arguments)),
-            )
-        )
+        await self._run(lambda db: _save_queue(db, record))
 
     async def delete_queue(self, vhost: str, name: str) -> None:
         def delete(db: sqlite3.Connection) -> None:
             with _transaction(db):
-                db.execute("DELETE FROM queues WHERE vhost = ? AND name = ?", (vhost, name))
-                db.execute("DELETE FROM messages WHERE vhost = ? AND queue = ?", (vhost, name))
-                db.execute("DELETE FROM queue_epochs WHERE vhost = ? AND queue = ?", (vhost, name))
-                db.execute("DELETE FROM stream_offsets WHERE vhost = ? AND queue = ?", (vhost, name))
-                db.execute(
-                    "DELETE FROM bindings WHERE vhost = ? AND destination_kind = 'queue' AND destination = ?",
-                    (vhost, name),
-                )
+                _delete_queue(db, vhost, name)
 
         await self._run(delete)
 
     async def save_binding(self, record: BindingRecord) -> None:
-        encoded = encode_table(record.arguments)
-        await self._run(
-            lambda db: db.execute(
-                "INSERT OR REPLACE INTO bindings (vhost, source, destination_kind, destination, routing_key,"
-                " arguments, arguments_key) VALUES (?, ?, ?, ?, ?, ?, ?)",
-                (record.vhost, record.source, record.destination_kind, record.destination, record.routing_key,
-                 encoded, arguments_key(encoded)),
-            )
-        )
+        await self._run(lambda db: _save_binding(db, record))
 
     async def delete_binding(self, record: BindingRecord) -> None:
-        encoded = encode_table(record.arguments)
-        await self._run(
-            lambda db: db.execute(
-                "DELETE FROM bindings WHERE vhost = ? AND source = ? AND destination_kind = ? AND destination = ?"
-                " AND routing_key = ? AND arguments_key = ?",
-                (record.vhost, record.source, record.destination_kind, record.destination, record.routing_key,
-                 arguments_key(encoded)),
-            )
-        )
+        await self._run(lambda db: _delete_binding(db, record))
 
     # -- users and vhosts ------------------------------------------------------------
     async def load_users(self) -> list[UserRecord]:
@@ -222,22 +183,7 @@ class SQLiteStore:
     async def claim(self, vhost: str, queue: str, epoch: int | None = None) -> int:
         def claim(db: sqlite3.Connection) -> int:
             with _transaction(db):
-                row = db.execute(
-                    "SELECT epoch FROM queue_epochs WHERE vhost = ? AND queue = ?", (vhost, queue)
-                ).fetchone()
-                current = row[0] if row else 0
-                if epoch is None:
-                    new = current + 1
-                elif epoch >= current:
-                    new = epoch
-                else:
-                    raise Fenced([(vhost, queue)])
-                db.execute(
-                    "INSERT INTO queue_epochs (vhost, queue, epoch) VALUES (?, ?, ?)"
-                    " ON CONFLICT (vhost, queue) DO UPDATE SET epoch = excluded.epoch",
-                    (vhost, queue, new),
-                )
-                return new
+                return _claim(db, vhost, queue, epoch)
 
         return await self._run(claim)
 
@@ -256,10 +202,14 @@ class SQLiteStore:
         return await self._run(load)
 
     async def commit(self, batch: Batch) -> None:
-        def commit(db: sqlite3.Connection) -> None:
+        def commit(db: sqlite3.Connection) -> dict[tuple[str, str], int]:
             with _transaction(db):
+                _apply_topology(db, batch.topology)
+                claimed = {key: _claim(db, key[0], key[1], None) for key in dict.fromkeys(batch.claims)}
                 stale = []
                 for (vhost, queue), epoch in batch.epochs.items():
+                    if (vhost, queue) in claimed:
+                        continue  # fenced by this very transaction
                     row = db.execute(
                         "SELECT epoch FROM queue_epochs WHERE vhost = ? AND queue = ?", (vhost, queue)
                     ).fetchone()
@@ -299,8 +249,9 @@ class SQLiteStore:
                         ' ON CONFLICT (vhost, queue, grp) DO UPDATE SET "offset" = excluded."offset"',
                         [(v, q, g, o) for (v, q, g), o in batch.offsets.items()],
                     )
+                return claimed
 
-        await self._run(commit)
+        batch.claimed = await self._run(commit)
 
     async def load_range(self, vhost: str, queue: str, start: int, below: int | None, limit: int
                          ) -> list[StoredMessage]:
@@ -341,3 +292,91 @@ class _transaction:
             self.db.execute("COMMIT")
         else:
             self.db.execute("ROLLBACK")
+
+
+def _save_exchange(db: sqlite3.Connection, record: ExchangeRecord) -> None:
+    db.execute(
+        "INSERT OR REPLACE INTO exchanges (vhost, name, type, auto_delete, internal, arguments)"
+        " VALUES (?, ?, ?, ?, ?, ?)",
+        (record.vhost, record.name, record.type, int(record.auto_delete), int(record.internal),
+         encode_table(record.arguments)),
+    )
+
+
+def _delete_exchange(db: sqlite3.Connection, vhost: str, name: str) -> None:
+    db.execute("DELETE FROM exchanges WHERE vhost = ? AND name = ?", (vhost, name))
+    db.execute(
+        "DELETE FROM bindings WHERE vhost = ? AND (source = ? OR (destination_kind = 'exchange' AND destination = ?))",
+        (vhost, name, name),
+    )
+
+
+def _save_queue(db: sqlite3.Connection, record: QueueRecord) -> None:
+    db.execute(
+        "INSERT OR REPLACE INTO queues (vhost, name, auto_delete, arguments) VALUES (?, ?, ?, ?)",
+        (record.vhost, record.name, int(record.auto_delete), encode_table(record.arguments)),
+    )
+
+
+def _delete_queue(db: sqlite3.Connection, vhost: str, name: str) -> None:
+    db.execute("DELETE FROM queues WHERE vhost = ? AND name = ?", (vhost, name))
+    db.execute("DELETE FROM messages WHERE vhost = ? AND queue = ?", (vhost, name))
+    db.execute("DELETE FROM queue_epochs WHERE vhost = ? AND queue = ?", (vhost, name))
+    db.execute("DELETE FROM stream_offsets WHERE vhost = ? AND queue = ?", (vhost, name))
+    db.execute("DELETE FROM bindings WHERE vhost = ? AND destination_kind = 'queue' AND destination = ?", (vhost, name))
+
+
+def _save_binding(db: sqlite3.Connection, record: BindingRecord) -> None:
+    encoded = encode_table(record.arguments)
+    db.execute(
+        "INSERT OR REPLACE INTO bindings (vhost, source, destination_kind, destination, routing_key,"
+        " arguments, arguments_key) VALUES (?, ?, ?, ?, ?, ?, ?)",
+        (record.vhost, record.source, record.destination_kind, record.destination, record.routing_key,
+         encoded, arguments_key(encoded)),
+    )
+
+
+def _delete_binding(db: sqlite3.Connection, record: BindingRecord) -> None:
+    db.execute(
+        "DELETE FROM bindings WHERE vhost = ? AND source = ? AND destination_kind = ? AND destination = ?"
+        " AND routing_key = ? AND arguments_key = ?",
+        (record.vhost, record.source, record.destination_kind, record.destination, record.routing_key,
+         arguments_key(encode_table(record.arguments))),
+    )
+
+
+def _apply_topology(db: sqlite3.Connection, writes: list[TopologyWrite]) -> None:
+    """Inside the caller's transaction, in order: 50,000 declarations are one fsync, not 50,000."""
+    for w in writes:
+        r = w.record
+        if isinstance(r, ExchangeRecord):
+            if w.delete:
+                _delete_exchange(db, r.vhost, r.name)
+            else:
+                _save_exchange(db, r)
+        elif isinstance(r, QueueRecord):
+            if w.delete:
+                _delete_queue(db, r.vhost, r.name)
+            else:
+                _save_queue(db, r)
+        elif w.delete:
+            _delete_binding(db, r)
+        else:
+            _save_binding(db, r)
+
+
+def _claim(db: sqlite3.Connection, vhost: str, queue: str, epoch: int | None) -> int:
+    row = db.execute("SELECT epoch FROM queue_epochs WHERE vhost = ? AND queue = ?", (vhost, queue)).fetchone()
+    current = row[0] if row else 0
+    if epoch is None:
+        new = current + 1
+    elif epoch >= current:
+        new = epoch
+    else:
+        raise Fenced([(vhost, queue)])
+    db.execute(
+        "INSERT INTO queue_epochs (vhost, queue, epoch) VALUES (?, ?, ?)"
+        " ON CONFLICT (vhost, queue) DO UPDATE SET epoch = excluded.epoch",
+        (vhost, queue, new),
+    )
+    return new

@@ -18,6 +18,7 @@ from pamqp.heartbeat import Heartbeat
 
 from amqp_frontend.connection import Connection, ServerSettings
 from core.engine.broker import Broker
+from tests.brokers import local_broker
 
 PROTOCOL_HEADER = b"AMQP\x00\x00\x09\x01"
 LOOPBACK = ("127.0.0.1", 1234)
@@ -108,7 +109,7 @@ def assemble(frames: Received) -> tuple[list[Delivery], Received]:
 class Client:
     """One client connection: sends pamqp frames in, reads parsed frames out."""
 
-    broker: Broker = field(default_factory=Broker)
+    broker: Broker = field(default_factory=local_broker)
     settings: ServerSettings | None = None
     peer: tuple[str, int] | None = LOOPBACK
     now: float | None = None
@@ -232,7 +233,7 @@ def publish_bytes(
 
 def connected(broker: Broker | None = None, channels: tuple[int, ...] = (1,), **kwargs: Any) -> Client:
     """A client on ``broker`` (a new one by default) past the handshake with ``channels`` open."""
-    client = Client(broker or Broker())
+    client = Client(broker or local_broker())
     client.handshake(**kwargs)
     for n in channels:
         client.open_channel(n)

@@ -12,6 +12,7 @@ from pamqp import commands
 from core.engine.broker import Broker
 from core.model.clock import ManualScheduler
 from tests.amqp_client import Client, assemble, connected, publish_bytes
+from tests.brokers import local_broker
 from tests.test_connection_sm import bodies, channel_close, of_type
 
 REPLY_TO = "amq.rabbitmq.reply-to"
@@ -19,7 +20,7 @@ REPLY_TO = "amq.rabbitmq.reply-to"
 
 @pytest.fixture
 def broker() -> Broker:
-    return Broker(scheduler=ManualScheduler())
+    return local_broker(scheduler=ManualScheduler())
 
 
 @pytest.fixture

@@ -28,6 +28,7 @@ from tests.amqp_client import (
     plain,
     publish_bytes,
 )
+from tests.brokers import local_broker
 
 # --------------------------------------------------------------------------- helpers
 
@@ -77,7 +78,7 @@ def bodies(deliveries: list[Any]) -> list[bytes]:
 
 @pytest.fixture
 def broker() -> Broker:
-    return Broker()
+    return local_broker()
 
 
 @pytest.fixture
@@ -835,7 +836,7 @@ def test_recover_redelivers_to_consumer(client: Client) -> None:
 
 def test_heartbeat_sent_when_idle_and_missed_heartbeats_close() -> None:
     t = 1000.0
-    c = Client(Broker(), now=t)
+    c = Client(local_broker(), now=t)
     c.handshake(heartbeat=1)
     c.tick(t + 0.1)
     assert c.read() == []  # just wrote Open-Ok: nothing due yet
@@ -853,7 +854,7 @@ def test_heartbeat_sent_when_idle_and_missed_heartbeats_close() -> None:
 
 
 def test_heartbeat_with_the_real_clock() -> None:
-    c = Client(Broker())
+    c = Client(local_broker())
     c.handshake(heartbeat=1)
     c.conn.tick(time.monotonic() + 0.6)
     assert of_type(c.read(), Heartbeat)
@@ -862,7 +863,7 @@ def test_heartbeat_with_the_real_clock() -> None:
 
 
 def test_no_heartbeat_when_disabled() -> None:
-    c = Client(Broker())
+    c = Client(local_broker())
     c.handshake(heartbeat=0)
     c.conn.tick(time.monotonic() + 1000)
     assert c.read() == []
@@ -870,7 +871,7 @@ def test_no_heartbeat_when_disabled() -> None:
 
 
 def test_no_heartbeat_while_output_pending(client: Client) -> None:
-    c = Client(Broker())
+    c = Client(local_broker())
     c.handshake(heartbeat=1)
     c.open_channel(1)
     c.send(1, commands.Queue.Declare(queue="q"))  # reply not read yet
@@ -880,7 +881,7 @@ def test_no_heartbeat_while_output_pending(client: Client) -> None:
 
 
 def test_heartbeat_with_injected_clock() -> None:
-    c = Client(Broker(), now=0.0)
+    c = Client(local_broker(), now=0.0)
     c.handshake(heartbeat=1)
     c.conn.tick(0.6)
     assert of_type(c.read(), Heartbeat)
@@ -888,7 +889,7 @@ def test_heartbeat_with_injected_clock() -> None:
 
 def test_handshake_timeout() -> None:
     settings = ServerSettings(handshake_timeout=10.0)
-    c = Client(Broker(), settings=settings, now=100.0)
+    c = Client(local_broker(), settings=settings, now=100.0)
     c.send_raw(PROTOCOL_HEADER, now=100.5)
     c.read()
     c.conn.tick(105.0)
@@ -898,13 +899,13 @@ def test_handshake_timeout() -> None:
 
 
 def test_handshake_timeout_without_header() -> None:
-    c = Client(Broker(), now=0.0)
+    c = Client(local_broker(), now=0.0)
     c.conn.tick(11.0)
     assert c.conn.should_close
 
 
 def test_open_connection_has_no_handshake_timeout() -> None:
-    c = Client(Broker(), now=time.monotonic())
+    c = Client(local_broker(), now=time.monotonic())
     c.handshake(heartbeat=0)
     c.conn.tick(time.monotonic() + 60)
     assert not c.conn.should_close
@@ -1432,7 +1433,7 @@ def test_write_high_water_resumes_after_flush(broker: Broker) -> None:
 
 
 def test_close_timeout_with_injected_clock() -> None:
-    c = Client(Broker(), now=0.0)
+    c = Client(local_broker(), now=0.0)
     c.handshake()
     c.conn.close()
     assert connection_close(c.read()).reply_code == 320
@@ -1443,7 +1444,7 @@ def test_close_timeout_with_injected_clock() -> None:
 
 
 def test_heartbeat_timeout_with_injected_clock() -> None:
-    c = Client(Broker(), now=0.0)
+    c = Client(local_broker(), now=0.0)
     c.handshake(heartbeat=2)
     c.tick(1.0)
     assert of_type(c.read(), Heartbeat)

@@ -16,6 +16,7 @@ from core.grpc_api import leveret_pb2_grpc as pb_grpc
 from core.grpc_api.servicer import decode_properties, encode_properties, make_filter
 from leveret.client import AsyncClient, Deduplicator, LeveretError, Message
 from leveret.grpc_server import GRPCServer
+from tests.brokers import local_broker
 
 MD = (("username", "guest"), ("password", "guest"))
 WAIT = 5.0
@@ -32,7 +33,7 @@ class Env:
 
 @pytest.fixture
 async def env() -> AsyncIterator[Env]:
-    broker = Broker()
+    broker = local_broker()
     server = GRPCServer(broker)
     await server.start("127.0.0.1", 0)
     channel = grpc.aio.insecure_channel(f"127.0.0.1:{server.port}")

@@ -29,6 +29,7 @@ from core.ports.store import (
     StoredMessage,
     StoreError,
     Topology,
+    TopologyWrite,
 )
 from tests.ports import free_port
 
@@ -716,3 +717,49 @@ async def test_large_bodies_split_over_connections_commit_whole(store: MessageSt
     with pytest.raises(Fenced):
         await store.commit(Batch(epochs=epochs, appends=[message("big", off, body=mib) for off in range(7, 13)]))
     assert await offsets(store, "big") == [1, 2, 3, 4, 5, 6]
+
+
+# -- topology in a batch (the group committer's declarations) ------------------------------------------
+
+
+async def test_batch_applies_topology_claims_then_messages_in_one_transaction(store: MessageStore) -> None:
+    batch = Batch(
+        topology=[
+            TopologyWrite(ExchangeRecord(VHOST, "x", "direct")),
+            TopologyWrite(QueueRecord(VHOST, "q", False, {"x-max-length": 10})),
+            TopologyWrite(QueueRecord(VHOST, "gone")),
+            TopologyWrite(BindingRecord(VHOST, "x", "queue", "q", "rk", {})),
+            TopologyWrite(BindingRecord(VHOST, "x", "queue", "gone", "rk", {})),
+            TopologyWrite(QueueRecord(VHOST, "gone"), delete=True),  # takes its binding with it
+        ],
+        claims=[(VHOST, "q")],
+        appends=[message("q", 0)],  # no epoch given: the batch claims the queue itself
+    )
+    await store.commit(batch)
+    assert batch.claimed == {(VHOST, "q"): 1}
+    topo = await store.load_topology()
+    assert [(x.name, x.type) for x in topo.exchanges] == [("x", "direct")]
+    assert [(q.name, q.arguments) for q in topo.queues] == [("q", {"x-max-length": 10})]
+    assert [(b.source, b.destination, b.routing_key) for b in topo.bindings] == [("x", "q", "rk")]
+    assert [m.offset for m in await store.load_messages(VHOST, "q")] == [0]
+    # The claimed epoch fences later writes like any claim.
+    await store.commit(Batch(epochs={(VHOST, "q"): 1}, appends=[message("q", 1)]))
+    with pytest.raises(Fenced):
+        await store.commit(Batch(epochs={(VHOST, "q"): 0}, appends=[message("q", 2)]))
+    later = Batch(topology=[TopologyWrite(BindingRecord(VHOST, "x", "queue", "q", "rk", {}), delete=True),
+                            TopologyWrite(ExchangeRecord(VHOST, "x", ""), delete=True)],
+                  claims=[(VHOST, "q")])
+    await store.commit(later)
+    assert later.claimed == {(VHOST, "q"): 2}
+    topo = await store.load_topology()
+    assert topo.exchanges == [] and topo.bindings == [] and [q.name for q in topo.queues] == ["q"]
+
+
+async def test_a_failing_batch_leaves_no_topology_behind(store: MessageStore) -> None:
+    await store.save_queue(QueueRecord(VHOST, "q"))
+    epoch = await store.claim(VHOST, "q")
+    batch = Batch(topology=[TopologyWrite(QueueRecord(VHOST, "new"))], claims=[(VHOST, "new")],
+                  epochs={(VHOST, "q"): epoch + 1}, appends=[message("q", 0)])  # a stale epoch: fenced
+    with pytest.raises(Fenced):
+        await store.commit(batch)
+    assert [q.name for q in (await store.load_topology()).queues] == ["q"]

@@ -11,6 +11,7 @@ from typing import Any
 import pytest
 
 from amqp_frontend.stream_consumer import with_stream_offset
+from coordination.local import LocalCoordinator
 from core.durable.durability import Durability
 from core.durable.group_commit import GroupCommitter
 from core.engine import partition
@@ -229,8 +230,8 @@ def test_offset_header_splice(props: bytes) -> None:
 
 
 # -- partitioned streams ---------------------------------------------------------------------------
-def test_partition_choice_is_stable_and_balanced(vh: VirtualHost) -> None:
-    queues = partition.create(vh, "orders", 4, partition.stream_arguments())
+async def test_partition_choice_is_stable_and_balanced(vh: VirtualHost) -> None:
+    queues = await partition.declare(LocalCoordinator(), vh, "orders", 4, partition.stream_arguments())
     assert [q.name for q in queues] == ["orders-0", "orders-1", "orders-2", "orders-3"]
     x = partition.exchange_of(vh, "orders")
     assert x is not None
@@ -241,8 +242,8 @@ def test_partition_choice_is_stable_and_balanced(vh: VirtualHost) -> None:
     assert [x.partition_of("") for _ in range(8)] == [0, 1, 2, 3, 0, 1, 2, 3]  # round robin without a key
 
 
-def test_partitioned_publish_keeps_order_per_partition(vh: VirtualHost) -> None:
-    partition.create(vh, "p", 3, partition.stream_arguments())
+async def test_partitioned_publish_keeps_order_per_partition(vh: VirtualHost) -> None:
+    await partition.declare(LocalCoordinator(), vh, "p", 3, partition.stream_arguments())
     x = vh.get_exchange("p")
     for i in range(60):
         m = Message("p", f"k{i % 7}", properties.EMPTY, b"%d" % i)
@@ -258,19 +259,20 @@ def test_partitioned_publish_keeps_order_per_partition(vh: VirtualHost) -> None:
     assert sum(len(v) for v in per_key.values()) == 60
 
 
-def test_partitioned_stream_declaration_rules(vh: VirtualHost) -> None:
-    partition.create(vh, "p", 2, partition.stream_arguments(max_age="1h"))
-    assert len(partition.create(vh, "p", 2, partition.stream_arguments(max_age="1h"))) == 2  # idempotent
+async def test_partitioned_stream_declaration_rules(vh: VirtualHost) -> None:
+    local = LocalCoordinator()
+    await partition.declare(local, vh, "p", 2, partition.stream_arguments(max_age="1h"))
+    assert len(await partition.declare(local, vh, "p", 2, partition.stream_arguments(max_age="1h"))) == 2  # idempotent
     with pytest.raises(PreconditionFailed, match="already exists as 2 partitions"):
-        partition.create(vh, "p", 3, partition.stream_arguments())
+        await partition.declare(local, vh, "p", 3, partition.stream_arguments())
     with pytest.raises(PreconditionFailed, match="between 1 and"):
-        partition.create(vh, "q", 0, partition.stream_arguments())
+        await partition.declare(local, vh, "q", 0, partition.stream_arguments())
     with pytest.raises(PreconditionFailed, match="partition index"):
         vh.bind("p", vh.queues["p-0"], "zero", None)
     vh.declare_queue("classic", None)
     with pytest.raises(PreconditionFailed, match="not a stream"):
         partition.resolve(vh, "classic")
-    assert partition.delete(vh, "p") == 0
+    assert await partition.remove(local, vh, "p") == 0
     assert "p" not in vh.exchanges and "p-0" not in vh.queues
 
 

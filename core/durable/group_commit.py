@@ -6,8 +6,17 @@ go shares a commit, and while a commit is in flight the next batch fills up.
 A lone publisher therefore waits for one commit, a busy one shares each commit
 with thousands of others: the batch size adapts to the load without a timer.
 
-Topology changes (declare, delete, bind) are ordered with the message batches
-in one FIFO, so a message is never committed before the queue it belongs to.
+Durable topology changes (declare, delete, bind) are grouped the same way:
+they join the pending batch as long as it holds no message writes yet, and a
+batch applies its topology first, in one transaction with its messages. So a
+message is never committed before the queue it belongs to, and 50,000
+pipelined declarations take a few commits instead of 50,000 (one fsync each,
+about 800 a second on this machine's disk, was the rate before). A batch
+whose commit fails keeps its topology for a retry, at the head, until the
+store takes it (the vhost already made the change, so the store must follow),
+and the declarations waiting on it are refused now rather than left hanging;
+the message writes of that batch and of those behind it fail now too (their
+publishes are nacked) rather than wait for a store that may be gone for long.
 """
 
 from __future__ import annotations
@@ -18,7 +27,7 @@ import time
 from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING
 
-from core.ports.store import Batch, Fenced, MessageStore, StoredMessage, StoreError
+from core.ports.store import Batch, Fenced, MessageStore, QueueRecord, StoredMessage, StoreError, TopologyWrite
 
 if TYPE_CHECKING:
     from core.durable.durability import QueueStorage
@@ -33,7 +42,7 @@ MAX_BATCH_BYTES = 64 * 1024 * 1024
 
 
 class _Pending:
-    __slots__ = ("batch", "appends", "queues", "callbacks", "bytes")
+    __slots__ = ("batch", "appends", "queues", "claims", "callbacks", "stored", "bytes")
 
     def __init__(self) -> None:
         self.batch = Batch()
@@ -41,11 +50,18 @@ class _Pending:
         # arriving meanwhile can cancel the write instead of following it.
         self.appends: dict[tuple[tuple[str, str], int], StoredMessage] = {}
         self.queues: dict[tuple[str, str], QueueStorage] = {}
+        # Queues declared in this batch: their epoch is the one the batch's claim returns.
+        self.claims: dict[tuple[str, str], QueueStorage] = {}
         self.callbacks: list[Done] = []
+        # Waiters for the topology of this batch: told when this attempt at storing it ends.
+        self.stored: list[Done] = []
         self.bytes = 0
 
     def ops(self) -> int:
-        return len(self.appends) + len(self.batch)
+        return len(self.appends) + len(self.batch) + len(self.claims)
+
+    def has_messages(self) -> bool:
+        return bool(self.appends) or len(self.batch) > len(self.batch.topology)
 
 
 class GroupCommitter:
@@ -59,6 +75,8 @@ class GroupCommitter:
         self.failures = 0
         self.cancelled = 0  # appends never written: settled before their commit started
         self.last_error: str | None = None
+        # The newest batch holding topology not stored yet (None: every declaration is stored).
+        self._last_topology: _Pending | None = None
 
     # -- producers (synchronous, hot path) -------------------------------------
     def _pending(self, queue: QueueStorage) -> _Pending:
@@ -129,6 +147,46 @@ class GroupCommitter:
         self.when_committed(done)
         return await fut
 
+    # -- durable topology ---------------------------------------------------------
+    def topology(self, write: TopologyWrite, claim: QueueStorage | None = None) -> None:
+        """A durable declaration or deletion, committed in order with everything else.
+
+        ``claim``: a queue just declared; its epoch is taken in the same
+        transaction and set on it once committed.
+        """
+        items = self._items
+        last = items[-1] if items else None
+        if (isinstance(last, _Pending) and not last.has_messages() and last.ops() < MAX_BATCH_OPS):
+            p = last
+        else:
+            p = _Pending()
+            items.append(p)
+            self._kick()
+        p.batch.topology.append(write)
+        record = write.record
+        if claim is not None:
+            p.claims[claim.key] = claim
+        elif write.delete and isinstance(record, QueueRecord):
+            # Declared and deleted in one batch: no epoch row to leave behind.
+            p.claims.pop((record.vhost, record.name), None)
+        self._last_topology = p
+
+    def topology_pending(self) -> bool:
+        """Whether a durable topology change is not stored yet."""
+        return self._last_topology is not None
+
+    async def topology_stored(self) -> None:
+        """Wait until every topology change added so far is stored; the store's error if the
+        commit that carried them failed (they stay queued and are retried)."""
+        p = self._last_topology
+        if p is None:
+            return
+        fut: asyncio.Future[BaseException | None] = asyncio.get_running_loop().create_future()
+        p.stored.append(lambda error: None if fut.done() else fut.set_result(error))
+        error = await fut
+        if error is not None:
+            raise error
+
     def run(self, op: Callable[[], Awaitable[None]]) -> None:
         """A topology change, ordered after everything added so far."""
         self._items.append(op)
@@ -150,7 +208,12 @@ class GroupCommitter:
             item = self._items[0]
             if isinstance(item, _Pending):
                 self._items.pop(0)
-                await self._commit(item)
+                error = await self._commit(item)
+                if error is not None and (item.batch.topology or item.claims):
+                    self._keep_topology(item, error)
+                    if not isinstance(error, Fenced):  # a fenced batch's topology can go again at once
+                        await asyncio.sleep(backoff)
+                        backoff = min(backoff * 2, 5.0)
                 continue
             try:
                 await item()
@@ -181,13 +244,38 @@ class GroupCommitter:
                 log.warning("store recovered", extra={"after": self.last_error})
                 self.last_error = None
 
-    async def _commit(self, p: _Pending) -> None:
+    def _keep_topology(self, failed: _Pending, error: BaseException) -> None:
+        """A batch with topology failed: its topology (and that of the batches behind it) goes first
+        again; the message writes behind it fail now, as those of the failed batch did."""
+        retry = _Pending()
+        retry.batch.topology = list(failed.batch.topology)
+        retry.claims = dict(failed.claims)
+        rest: list[_Pending | Callable[[], Awaitable[None]]] = []
+        moved = self._last_topology is failed
+        for item in self._items:
+            if not isinstance(item, _Pending):
+                rest.append(item)
+                continue
+            retry.batch.topology.extend(item.batch.topology)
+            retry.claims.update(item.claims)
+            for waiter in item.stored:
+                waiter(error)
+            moved = moved or self._last_topology is item
+            for done in item.callbacks:
+                done(error)
+        self._items = [retry, *rest]
+        if moved:
+            self._last_topology = retry
+
+    async def _commit(self, p: _Pending) -> BaseException | None:
         batch = p.batch
         batch.appends = list(p.appends.values())
+        batch.claims = list(p.claims)
         error: BaseException | None = None
         if len(batch):
             for key, storage in p.queues.items():
-                batch.epochs[key] = storage.epoch
+                if key not in p.claims:  # a queue claimed in this batch is fenced by it
+                    batch.epochs[key] = storage.epoch
             started = time.perf_counter()
             try:
                 await self.store.commit(batch)
@@ -212,8 +300,29 @@ class GroupCommitter:
                 elapsed = time.perf_counter() - started
                 if elapsed > 1.0:
                     log.warning("slow store commit", extra={"seconds": round(elapsed, 3), "ops": len(batch)})
+        if error is None:
+            for key, storage in p.claims.items():
+                storage.epoch = batch.claimed[key]
+            if self._last_topology is p:
+                self._last_topology = None
+        for waiter in p.stored:
+            waiter(error)
         for done in p.callbacks:
             done(error)
+        return error
+
+    async def drain_while_progressing(self, stall: float = 10.0) -> bool:
+        """Shutdown: wait until everything added so far is committed, however long that takes while
+        commits keep succeeding; give up (False) only after ``stall`` seconds without one (the store
+        is gone). 50,000 pending declarations once took longer than the fixed 10 s this replaces."""
+        while True:
+            before = self.commits
+            try:
+                await asyncio.wait_for(asyncio.shield(self.drain()), stall)
+                return True
+            except TimeoutError:
+                if self.commits == before:
+                    return False
 
     async def drain(self) -> None:
         """Wait until everything added so far is committed (shutdown, tests)."""

@@ -18,7 +18,7 @@ if TYPE_CHECKING:
 
     from core.durable.durability import Durability
     from core.durable.group_commit import GroupCommitter
-    from core.ports.coordinator import Cluster
+    from core.ports.coordinator import Coordinator
 
 
 @dataclass
@@ -56,6 +56,7 @@ class Broker:
         node_id: str = "leveret",
         default_user: tuple[str, str] | None = ("guest", "guest"),
         scheduler: Scheduler | None = None,
+        coordinator: Coordinator | None = None,
     ) -> None:
         self.node_id = node_id
         self.scheduler: Scheduler = scheduler or AsyncioScheduler()
@@ -66,8 +67,9 @@ class Broker:
         self.committer: GroupCommitter | None = None
         # Set by the node's memory monitor; the front ends stop reading from publishers.
         self.memory_alarm = False
-        # Cluster mode (coordination/etcd.py): shared metadata, remote queues.
-        self.cluster: Cluster | None = None
+        # Declarations and queue operations of the front ends: coordination/local.py on a
+        # single node, coordination/etcd.py in a cluster (core/ports/coordinator.py).
+        self._coordinator = coordinator
         # Forwarded publishes wait at a slow owner: front ends stop reading from publishers.
         self.forward_congested = False
         self.flow_listeners: list[Callable[[bool], None]] = []
@@ -81,6 +83,19 @@ class Broker:
             name, password = default_user
             # As in RabbitMQ, the well-known default account only works from loopback.
             self.add_user(name, password, tags=("administrator",), vhosts={"/"}, loopback_only=True)
+
+    @property
+    def cluster(self) -> Coordinator:
+        """The coordinator (the name predates the single-node one). Core never builds one itself: it
+        must not import coordination/, so whoever builds the broker for a front end passes one."""
+        if self._coordinator is None:
+            raise RuntimeError("this broker has no coordinator: build it with "
+                               "Broker(coordinator=coordination.local.LocalCoordinator(node_id))")
+        return self._coordinator
+
+    @cluster.setter
+    def cluster(self, coordinator: Coordinator) -> None:
+        self._coordinator = coordinator
 
     def set_forward_congestion(self, congested: bool) -> None:
         if congested != self.forward_congested:

@@ -20,7 +20,7 @@ from core.engine.vhost import VirtualHost
 from core.model.errors import NotFound, PreconditionFailed
 
 if TYPE_CHECKING:
-    from core.ports.coordinator import Cluster
+    from core.ports.coordinator import Coordinator
 
 MAX_PARTITIONS = 1024
 
@@ -53,20 +53,6 @@ def _check_create(vh: VirtualHost, name: str, partitions: int) -> None:
             )
 
 
-def create(vh: VirtualHost, name: str, partitions: int, arguments: dict[str, Any], owner: object = None
-           ) -> list[StreamQueue]:
-    """Declare a partitioned stream (idempotent when it exists with the same partition count)."""
-    _check_create(vh, name, partitions)
-    vh.declare_exchange(name, PartitionExchange.type, durable=True)
-    queues = []
-    for i in range(partitions):
-        q = vh.declare_queue(partition_name(name, i), owner, durable=True, arguments=arguments)
-        assert isinstance(q, StreamQueue)
-        vh.bind(name, q, str(i), None)
-        queues.append(q)
-    return queues
-
-
 def exchange_of(vh: VirtualHost, name: str) -> PartitionExchange | None:
     x = vh.exchanges.get(name)
     return x if isinstance(x, PartitionExchange) else None
@@ -86,35 +72,36 @@ def resolve(vh: VirtualHost, topic: str) -> list[StreamQueue]:
     return [q]
 
 
-async def create_in_cluster(cluster: Cluster, vh: VirtualHost, name: str, partitions: int,
-                            arguments: dict[str, Any], owner: object = None) -> list[StreamQueue]:
-    """``create`` on a cluster: each declaration and binding agreed in etcd first (placing the partitions
-    on the nodes as their owners are chosen), then applied here, as AMQP declarations are."""
+async def declare(coordinator: Coordinator, vh: VirtualHost, name: str, partitions: int,
+                  arguments: dict[str, Any], owner: object = None) -> list[StreamQueue]:
+    """Declare a partitioned stream through the coordinator (agreed in etcd in a cluster, placing the
+    partitions on the nodes as their owners are chosen; stored before this returns).
+
+    Every call is made before the first is awaited: a single node queues all the
+    topology writes at once, so they share commits; etcd's coroutines still run
+    one after another when awaited (each placement sees the previous one).
+    """
     _check_create(vh, name, partitions)
-    await cluster.declare_exchange(vh, name, PartitionExchange.type, True, False, False, {})
-    for i in range(partitions):
-        await cluster.declare_queue(vh, partition_name(name, i), owner, True, False, False, arguments)
-        await cluster.bind(vh, name, "queue", partition_name(name, i), str(i), {}, True)
-    return create(vh, name, partitions, arguments, owner)
+    await coordinator.declare_exchange(vh, name, PartitionExchange.type, True, False, False, {})
+    names = [partition_name(name, i) for i in range(partitions)]
+    declared = [coordinator.declare_queue(vh, n, owner, True, False, False, arguments) for n in names]
+    queues = [await op for op in declared]
+    bound = [coordinator.bind(vh, name, "queue", n, str(i), {}, True) for i, n in enumerate(names)]
+    for op in bound:
+        await op
+    out = []
+    for q in queues:
+        if not isinstance(q, StreamQueue):
+            raise PreconditionFailed(f"queue '{q.name}' in vhost '{vh.name}' exists and is not a stream")
+        out.append(q)
+    return out
 
 
-async def delete_in_cluster(cluster: Cluster, vh: VirtualHost, name: str, owner: object = None) -> int:
-    """``delete`` on a cluster: the partitions (on whichever nodes own them) and the exchange."""
+async def remove(coordinator: Coordinator, vh: VirtualHost, name: str, owner: object = None) -> int:
+    """Delete a stream, or a partitioned stream with all its partitions, through the coordinator."""
     dropped = 0
     for q in resolve(vh, name):
-        dropped += await cluster.delete_queue(vh, q.name, owner, False, False)
+        dropped += await coordinator.delete_queue(vh, q.name, owner, False, False)
     if exchange_of(vh, name) is not None:
-        await cluster.delete_exchange(vh, name, False)
-        if name in vh.exchanges:
-            vh.delete_exchange(name)
-    return dropped
-
-
-def delete(vh: VirtualHost, name: str, owner: object = None) -> int:
-    """Delete a stream, or a partitioned stream with all its partitions; messages dropped."""
-    dropped = 0
-    for q in resolve(vh, name):
-        dropped += vh.delete_queue(q.name, owner)
-    if exchange_of(vh, name) is not None:
-        vh.delete_exchange(name)
+        await coordinator.delete_exchange(vh, name, False)
     return dropped

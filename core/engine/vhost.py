@@ -144,10 +144,14 @@ class VirtualHost:
             raise AccessRefused(f"queue name '{name}' contains reserved prefix 'amq.*'")
         parse_queue_args(arguments, name, self.name)
 
-    def delete_exchange(self, name: str, if_unused: bool = False) -> None:
+    def check_exchange_deletable(self, name: str) -> None:
+        """403 for the default and the standard (amq.*) exchanges."""
         if name == "" or name.startswith("amq."):
             raise AccessRefused(f"operation not permitted on exchange '{name}' in vhost '{self.name}'"
                                 if name else "operation not permitted on the default exchange")
+
+    def delete_exchange(self, name: str, if_unused: bool = False) -> None:
+        self.check_exchange_deletable(name)
         x = self.exchanges.get(name)
         if x is None:
             return  # deletes are idempotent, as in RabbitMQ

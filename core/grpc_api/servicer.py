@@ -388,14 +388,8 @@ class BrokerServicer(pb_grpc.BrokerServicer):
                 arguments["x-max-length"] = request.max_length
             if request.message_ttl_ms:
                 arguments["x-message-ttl"] = request.message_ttl_ms
-            cluster = self.broker.cluster
-            if cluster is not None:
-                await cluster.declare_queue(vh, request.name, GRPC_OWNER, request.durable, False,
-                                            request.auto_delete, arguments)
-            q = vh.declare_queue(
-                request.name, GRPC_OWNER, durable=request.durable, auto_delete=request.auto_delete,
-                arguments=arguments,
-            )
+            q = await self.broker.cluster.declare_queue(vh, request.name, GRPC_OWNER, request.durable, False,
+                                                        request.auto_delete, arguments)
             return self._queue_info(q)
         raise AssertionError("unreachable")
 
@@ -403,11 +397,8 @@ class BrokerServicer(pb_grpc.BrokerServicer):
         async with _errors(context):
             _, vh = self._login(context)
             self._queue(vh, request.name)  # NOT_FOUND for a missing queue, unlike AMQP
-            cluster = self.broker.cluster
-            if cluster is not None:
-                n = await cluster.delete_queue(vh, request.name, GRPC_OWNER, request.if_unused, request.if_empty)
-            else:
-                n = vh.delete_queue(request.name, GRPC_OWNER, if_unused=request.if_unused, if_empty=request.if_empty)
+            n = await self.broker.cluster.delete_queue(vh, request.name, GRPC_OWNER, request.if_unused,
+                                                       request.if_empty)
             return pb.DeleteQueueResponse(messages_dropped=n)
         raise AssertionError("unreachable")
 

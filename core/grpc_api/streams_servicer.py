@@ -213,15 +213,11 @@ class StreamsServicer(pb_grpc.StreamsServicer):
             if exists and not request.exist_ok:
                 raise ApiError(grpc.StatusCode.ALREADY_EXISTS, f"'{name}' already exists in vhost '{vh.name}'")
             arguments = partition.stream_arguments(request.max_age or None, request.max_bytes or None)
-            cluster = self.api.broker.cluster
-            if request.partitions and cluster is not None:
-                await partition.create_in_cluster(cluster, vh, name, request.partitions, arguments)
-            elif request.partitions:
-                partition.create(vh, name, request.partitions, arguments)
+            coordinator = self.api.broker.cluster
+            if request.partitions:
+                await partition.declare(coordinator, vh, name, request.partitions, arguments)
             else:
-                if cluster is not None:
-                    await cluster.declare_queue(vh, name, None, True, False, False, arguments)
-                vh.declare_queue(name, None, durable=True, arguments=arguments)
+                await coordinator.declare_queue(vh, name, None, True, False, False, arguments)
                 self._stream(vh, name)  # an existing classic queue of that name is an error
             return await self._info(vh, name)
         raise AssertionError("unreachable")
@@ -235,11 +231,7 @@ class StreamsServicer(pb_grpc.StreamsServicer):
     async def DeleteStream(self, request: pb.DeleteStreamRequest, context: Any) -> pb.DeleteStreamResponse:
         async with _errors(context):
             _, vh = self.api._login(context)
-            cluster = self.api.broker.cluster
-            if cluster is not None:
-                dropped = await partition.delete_in_cluster(cluster, vh, request.name)
-            else:
-                dropped = partition.delete(vh, request.name)
+            dropped = await partition.remove(self.api.broker.cluster, vh, request.name)
             return pb.DeleteStreamResponse(messages_dropped=dropped)
         raise AssertionError("unreachable")
 

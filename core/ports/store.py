@@ -90,9 +90,27 @@ class StoredMessage:
     delivery_count: int = 0
 
 
+@dataclass(frozen=True)
+class TopologyWrite:
+    """One durable declaration (``delete`` False) or deletion, as the single-method calls above do it.
+
+    A deleted exchange or queue is named by its record's vhost and name (the
+    other fields are ignored); deleting one also deletes what the single
+    method deletes with it (bindings, messages, epoch row, group offsets).
+    """
+
+    record: ExchangeRecord | QueueRecord | BindingRecord
+    delete: bool = False
+
+
 @dataclass
 class Batch:
-    """One group commit: what to add, remove and update, per fenced queue."""
+    """One group commit: what to add, remove and update, per fenced queue.
+
+    In one transaction, in this order: the topology writes (in list order),
+    the claims, the epoch check, then the message writes. A queue claimed in
+    the batch needs no entry in ``epochs``: the batch fences it itself.
+    """
 
     epochs: dict[tuple[str, str], int] = field(default_factory=dict)  # (vhost, queue) -> writer's epoch
     appends: list[StoredMessage] = field(default_factory=list)
@@ -103,10 +121,16 @@ class Batch:
     truncations: list[tuple[str, str, int]] = field(default_factory=list)
     # Consumer-group committed offsets: (vhost, queue, group) -> offset (latest wins).
     offsets: dict[tuple[str, str, str], int] = field(default_factory=dict)
+    # Durable topology changes, and queues claimed for this node as ``claim(vhost, queue)``
+    # without an epoch does it (single node: the stored epoch plus one).
+    topology: list[TopologyWrite] = field(default_factory=list)
+    claims: list[tuple[str, str]] = field(default_factory=list)
+    # Filled by the store when the commit succeeds: the epoch each claim moved to.
+    claimed: dict[tuple[str, str], int] = field(default_factory=dict)
 
     def __len__(self) -> int:
         return (len(self.appends) + len(self.removals) + len(self.delivery_counts) + len(self.purges)
-                + len(self.truncations) + len(self.offsets))
+                + len(self.truncations) + len(self.offsets) + len(self.topology) + len(self.claims))
 
 
 class MessageStore(Protocol):

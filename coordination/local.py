@@ -1,0 +1,137 @@
+"""The coordinator of a single node: the same interface as etcd's, in process (DESIGN.md, "local").
+
+There is nobody to agree with, so every call applies its change to the local
+vhost at once, with the checks of any declaration (403, 404, 405, 406 raised
+by the call itself). What makes it a coordinator rather than a pass-through is
+the promise every coordinator keeps: a durable declaration, binding or
+deletion is answered only once it is stored. Here that is the store, through
+the group committer: the change is queued there as the vhost makes it, and
+the call returns a wait for its commit (grouped with every other write of the
+same loop turn). A transient change, or a durable one when nothing is pending,
+returns ``Immediate`` and the front end replies at once. When the commit
+fails (the store is down) the change is refused with 541: the client was
+promised nothing, and the write is retried until the store takes it, since
+the vhost holds the change already.
+
+Ownership is trivial: one node owns every queue. At start it claims them all
+(``take_over_stored_queues``: one store transaction bumps every epoch, then
+each backlog is loaded), as DESIGN.md's take-over steps 1-2 with the store as
+the only judge. The ownership state machine of the engine will drive this.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Awaitable
+from typing import TYPE_CHECKING, Any, TypeVar
+
+from core.durable.durability import binding_is_stored, is_stored
+from core.engine.exchange import Exchange
+from core.engine.queue import Queue
+from core.model.errors import InternalError
+from core.ports.coordinator import Immediate
+from core.ports.store import StoreError
+
+if TYPE_CHECKING:
+    from core.durable.durability import Durability
+    from core.engine.vhost import VirtualHost
+    from core.model.message import QueuedMessage
+
+T = TypeVar("T")
+
+
+class StoreUnavailable(InternalError):
+    """A durable change could not be stored now: it is refused (541), never answered as stored."""
+
+
+class LocalCoordinator:
+    """core.ports.coordinator.Coordinator for one node with no etcd."""
+
+    def __init__(self, node_id: str = "leveret") -> None:
+        self.node_id = node_id
+
+    # -- ownership ---------------------------------------------------------------------
+    async def take_over_stored_queues(self, durability: Durability, queues: list[Queue]) -> int:
+        """Own every queue restored from the store: fence them (epoch + 1), then load their backlogs."""
+        return await durability.claim_and_load(queues, self.node_id)
+
+    # -- stored before answered -------------------------------------------------------
+    @staticmethod
+    def _answer(vhost: VirtualHost, durable: bool, value: T) -> Awaitable[T]:
+        """``value`` once every topology write so far is stored; at once for a transient change."""
+        durability = vhost.durability
+        if not durable or durability is None or not durability.committer.topology_pending():
+            return Immediate(value)
+        committer = durability.committer
+
+        async def stored() -> T:
+            try:
+                await committer.topology_stored()
+            except StoreError as exc:
+                raise StoreUnavailable(
+                    f"the store did not take this change ({exc}); it applies here and is written once the store "
+                    "is back; declare it again to learn when it is stored"
+                ) from None
+            return value
+
+        return stored()
+
+    # -- declarations -------------------------------------------------------------------
+    def declare_exchange(
+        self, vhost: VirtualHost, name: str, type_: str, durable: bool, auto_delete: bool, internal: bool,
+        arguments: dict[str, Any],
+    ) -> Awaitable[None]:
+        x = vhost.declare_exchange(name, type_, durable=durable, auto_delete=auto_delete, internal=internal,
+                                   arguments=arguments)
+        return self._answer(vhost, is_stored(x), None)
+
+    def delete_exchange(self, vhost: VirtualHost, name: str, if_unused: bool) -> Awaitable[None]:
+        x = vhost.exchanges.get(name)
+        vhost.delete_exchange(name, if_unused=if_unused)
+        return self._answer(vhost, x is not None and is_stored(x), None)
+
+    def declare_queue(
+        self, vhost: VirtualHost, name: str, owner: object, durable: bool, exclusive: bool, auto_delete: bool,
+        arguments: dict[str, Any],
+    ) -> Awaitable[Queue]:
+        q = vhost.declare_queue(name, owner, durable=durable, exclusive=exclusive, auto_delete=auto_delete,
+                                arguments=arguments)
+        return self._answer(vhost, is_stored(q), q)
+
+    def delete_queue(
+        self, vhost: VirtualHost, name: str, owner: object, if_unused: bool, if_empty: bool
+    ) -> Awaitable[int]:
+        q = vhost.queues.get(name)
+        count = vhost.delete_queue(name, owner, if_unused=if_unused, if_empty=if_empty)
+        return self._answer(vhost, q is not None and is_stored(q), count)
+
+    def bind(
+        self, vhost: VirtualHost, source: str, kind: str, destination: str, routing_key: str, arguments: dict[str, Any],
+        add: bool,
+    ) -> Awaitable[None]:
+        dest: Queue | Exchange | None = (
+            vhost.queues.get(destination) if kind == "queue" else vhost.exchanges.get(destination)
+        )
+        if dest is None:
+            if add:  # the front ends look the destination up first; this is a race with its deletion
+                if kind == "queue":
+                    vhost.get_queue(destination)
+                vhost.get_exchange(destination)
+            return Immediate(None)  # unbinding what is gone succeeds, as in RabbitMQ
+        x = vhost.exchanges.get(source)  # before an unbind may auto-delete it
+        if add:
+            vhost.bind(source, dest, routing_key, arguments)
+        else:
+            vhost.unbind(source, dest, routing_key, arguments)
+        return self._answer(vhost, x is not None and binding_is_stored(x, dest), None)
+
+    # -- queue operations (the owner is this node) -------------------------------------------
+    def counts(self, queue: Queue) -> Awaitable[tuple[int, int]]:
+        return Immediate((queue.message_count, queue.consumer_count))
+
+    def purge(self, queue: Queue) -> Awaitable[int]:
+        return Immediate(queue.purge())
+
+    def get(self, queue: Queue, no_ack: bool) -> Awaitable[tuple[QueuedMessage | None, int]]:
+        queue.touch()  # basic.get counts as use for x-expires
+        qm = queue.default.get(no_ack)
+        return Immediate((qm, len(queue.default.ready)))
