@@ -172,3 +172,32 @@ def test_one_read_is_handled_in_budget_sized_turns() -> None:
     assert turns >= len(data) // READ_BUDGET
     assert q.message_count == 4000
     assert [int(qm.message.body[:8]) for qm in q.default.ready] == list(range(4000))
+
+
+def test_forwarded_batch_waits_while_the_owners_queue_is_behind() -> None:
+    """The owner's side of forwarding: slices of a batch wait for the queue to catch up, in order."""
+    import asyncio
+
+    from core.cluster.forwarding import FORWARD_SLICE, _enqueue_fairly
+    from core.model.message import Message
+    from core.model.properties import EMPTY, scan
+
+    broker = Broker(scheduler=ManualScheduler())
+    _pub, sub = _setup(broker)
+    q = broker.vhosts["/"].queues["q"]
+    summary = scan(EMPTY)
+    messages = [Message("", "q", EMPTY, b"%08d" % i, summary, "n1") for i in range(FLOW_HIGH + 3 * FORWARD_SLICE)]
+
+    async def run() -> None:
+        task = asyncio.ensure_future(_enqueue_fairly(q, messages))
+        for _ in range(100):
+            await asyncio.sleep(0)
+        assert not task.done()
+        assert FLOW_HIGH <= len(q.default.ready) < FLOW_HIGH + FORWARD_SLICE
+        sub.send(1, commands.Basic.Cancel(consumer_tag="c"))  # caught up: no consumers left
+        oks = await asyncio.wait_for(task, 5)
+        assert oks == [True] * len(messages)
+
+    asyncio.run(run())
+    got = [int(qm.message.body) for qm in q.default.ready]
+    assert got == list(range(10, len(messages)))

@@ -31,7 +31,7 @@ it processes (one loop, no threads: a plain module variable is enough).
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import TYPE_CHECKING, Protocol
 
@@ -149,3 +149,32 @@ class QueueFlow:
             self._release_all()
             return
         self._arm()
+
+
+class HeldCall:
+    """A publisher that answers later rather than reading a socket: a gRPC push, a forwarded batch.
+
+    Its async caller pushes under ``publishing(call)``, then, when ``held``,
+    sets ``on_free`` and waits for it before answering or taking more input,
+    so the client (or the forwarding node, through its gRPC stream window)
+    slows down.
+    """
+
+    __slots__ = ("gates", "on_free")
+
+    def __init__(self) -> None:
+        self.gates: set[int] = set()
+        self.on_free: Callable[[], None] | None = None
+
+    @property
+    def held(self) -> bool:
+        return bool(self.gates)
+
+    def hold(self, gate: QueueFlow) -> None:
+        self.gates.add(id(gate))
+
+    def release(self, gate: QueueFlow) -> None:
+        self.gates.discard(id(gate))
+        if not self.gates and self.on_free is not None:
+            on_free, self.on_free = self.on_free, None
+            on_free()
