@@ -44,11 +44,14 @@ CHANNEL_ERROR_CODES = frozenset({311, 312, 313, 403, 404, 405, 406})
 FRAME_MIN_SIZE = 4096
 CONNECTION_CLOSE_ID = b"\x00\x0a\x00\x32"
 CONNECTION_CLOSE_OK_ID = b"\x00\x0a\x00\x33"
-# Input handled per receive_data call; the rest waits one loop turn (``input_pending``)
-# so that one connection's burst cannot keep the loop from every other connection.
-# 64 KiB is ~210 publishes of 256 B, ~2-3 ms of broker CPU here (bench.inprocess:
-# 10-15 µs per message): uvloop hands over reads of up to 256 KiB, ~10 ms of work.
-READ_BUDGET = 64 * 1024
+# Units of input (a whole small publish, or one frame) handled per receive_data call;
+# the rest waits one loop turn (``input_pending``) so that one connection's burst
+# cannot keep the loop from every other connection. uvloop hands over reads of up to
+# 256 KiB: ~850 publishes of 256 B, ~10 ms of work at 10-15 µs each (bench.inprocess);
+# 200 is ~2-3 ms. Counted in units, not bytes: a byte budget (64 KiB) also split the
+# 128 KiB body frames of 1 MiB messages one per turn and halved persistent_1mib
+# (266 -> 135 MiB/s), though a big frame costs little more CPU than a small one.
+READ_BUDGET = 200
 # Entering/leaving flow is logged at most this often per connection (a flooding
 # publisher enters flow tens of times a second).
 FLOW_LOG_INTERVAL = 10.0
@@ -146,7 +149,7 @@ class Connection:
         self._flow_unlogged = 0
         # Set by the I/O layer: buffered input may be handled now (call receive_data(b"") soon,
         # not from inside this call): the last queue holding this connection caught up, or a
-        # suspended method finished with more than one READ_BUDGET of input waiting.
+        # suspended method finished with more than READ_BUDGET units of input waiting.
         self.on_input_ready: Callable[[], None] = _noop
         # More whole frames are buffered than one receive_data handles (READ_BUDGET).
         self.input_pending = False
@@ -324,11 +327,12 @@ class Connection:
         budget = READ_BUDGET
         try:
             while n - pos >= 8 and not self.should_close and not self.suspended:
-                if held or pos >= budget:
+                if held or not budget:
                     # Held by flow control (the I/O layer resumes us), or this turn's
                     # share of the loop is used up: the rest waits, buffered.
                     self.input_pending = not held
                     break
+                budget -= 1
                 ftype, channel, size = unpack(buf, pos)
                 if size + 8 > frame_max:
                     raise FrameError(f"frame size {size + 8} exceeds negotiated frame_max {frame_max}")
