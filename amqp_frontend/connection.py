@@ -146,7 +146,6 @@ class Connection:
         self._flow_done = 0.0  # seconds in flow, periods that ended
         self.flow_count = 0  # times this connection entered flow
         self._flow_logged = -FLOW_LOG_INTERVAL
-        self._flow_unlogged = 0
         # Set by the I/O layer: buffered input may be handled now (call receive_data(b"") soon,
         # not from inside this call): the last queue holding this connection caught up, or a
         # suspended method finished with more than READ_BUDGET units of input waiting.

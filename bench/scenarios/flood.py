@@ -23,11 +23,14 @@ import asyncio
 import time
 from dataclasses import replace
 
+from pamqp import commands
+
 from bench import loop
 from bench.codec import encode_publish
 from bench.connection import Connection
 from bench.cpu import CpuWatch, broker_pid_of
 from bench.memory import tree_rss_kb
+from bench.ops import open_channel
 from bench.results import Metric, RunOptions
 from bench.scenarios.procs import CTX, Workers
 from bench.scenarios.throughput import PLANS, SETUP_TIMEOUT, Plan, Topology, _cleanup, _declare
@@ -54,10 +57,6 @@ FLOOD_PLANS: dict[str, tuple[Plan, int]] = {
 
 
 async def _ready_counts(target: Target, queues: tuple[str, ...]) -> list[int]:
-    from pamqp import commands
-
-    from bench.ops import open_channel
-
     conn = await Connection.open(target.url)
     try:
         ch = await open_channel(conn)
