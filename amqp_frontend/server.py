@@ -25,6 +25,8 @@ class AMQPProtocol(asyncio.Protocol):
         self.transport: asyncio.Transport | None = None
         self._flush_scheduled = False
         self._flow_paused = False
+        self._reading = True
+        self._continue_scheduled = False
         self._loop = asyncio.get_running_loop()
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
@@ -37,6 +39,7 @@ class AMQPProtocol(asyncio.Protocol):
         conn = Connection(self.server.broker, self.server.settings, peer=(peer[0], peer[1]) if peer else None,
                           peer_identity=identity)
         conn.on_output = self._schedule_flush
+        conn.on_input_ready = self._schedule_continue
         conn.run_async = self._run_async
         self.conn = conn
         tr.set_write_buffer_limits(high=1024 * 1024, low=256 * 1024)  # type: ignore[attr-defined]
@@ -46,11 +49,46 @@ class AMQPProtocol(asyncio.Protocol):
         conn = self.conn
         assert conn is not None
         conn.receive_data(data)
+        self._after_input(conn)
+
+    def _after_input(self, conn: Connection) -> None:
         if self.server.broker.memory_alarm and conn.has_published and not conn.blocked:
             self.block()
         elif self.server.broker.forward_congested and conn.has_published and not self._flow_paused:
             self.pause_for_flow()
+        if conn.input_pending:
+            # This read held more than one turn's work (READ_BUDGET): the rest is handled
+            # next turn, after the other connections' input (acks, consumes, heartbeats).
+            self._schedule_continue()
+        self._update_reading()
         self._flush()
+
+    def _schedule_continue(self) -> None:
+        if not self._continue_scheduled:
+            self._continue_scheduled = True
+            self._loop.call_soon(self._continue_input)
+
+    def _continue_input(self) -> None:
+        """Handle input left buffered by the read budget or by flow control, then read again."""
+        self._continue_scheduled = False
+        conn = self.conn
+        if conn is None or self.transport is None:
+            return
+        conn.receive_data(b"")
+        self._after_input(conn)
+
+    def _update_reading(self) -> None:
+        """Read the socket unless the memory alarm, forwarding congestion or flow control say not."""
+        conn, transport = self.conn, self.transport
+        if conn is None or transport is None:
+            return
+        want = conn.wants_read and not conn.blocked and not self._flow_paused
+        if want != self._reading:
+            self._reading = want
+            if want:
+                transport.resume_reading()
+            else:
+                transport.pause_reading()
 
     def _run_async(self, op: Awaitable[Any], done: Callable[[Any, BaseException | None], None]) -> None:
         async def run() -> None:
@@ -68,13 +106,12 @@ class AMQPProtocol(asyncio.Protocol):
         if self.transport is not None and not self._flow_paused:
             self._flow_paused = True
             self.server.flow_paused.add(self)
-            self.transport.pause_reading()
+            self._update_reading()
 
     def resume_for_flow(self) -> None:
         if self.transport is not None and self._flow_paused:
             self._flow_paused = False
-            if not (self.conn is not None and self.conn.blocked):
-                self.transport.resume_reading()
+            self._update_reading()
 
     def block(self) -> None:
         """Memory alarm: stop reading from this publisher (RabbitMQ's connection.blocked)."""
@@ -84,7 +121,7 @@ class AMQPProtocol(asyncio.Protocol):
         conn.blocked = True
         if conn.client_capability("connection.blocked"):
             conn.send_method(0, commands.Connection.Blocked(reason="low on memory"))
-        transport.pause_reading()
+        self._update_reading()
         self._flush()
 
     def unblock(self) -> None:
@@ -94,8 +131,7 @@ class AMQPProtocol(asyncio.Protocol):
         conn.blocked = False
         if conn.client_capability("connection.blocked"):
             conn.send_method(0, commands.Connection.Unblocked())
-        if not self._flow_paused:
-            transport.resume_reading()
+        self._update_reading()
         self._flush()
 
     def _schedule_flush(self) -> None:

@@ -40,8 +40,9 @@ class PublishSpec:
     body_size: int
     delivery_mode: int | None
     batch: int  # messages per socket write
-    max_backlog: int  # per queue: published-but-not-yet-delivered cap
+    max_backlog: int  # per queue: published-but-not-yet-delivered cap; 0: unpaced (the flood scenarios)
     confirm_window: int  # 0: no publisher confirms
+    published_counter: int = -1  # >= 0: publish the count written so far in counters[published_counter]
 
 
 @dataclass(frozen=True)
@@ -117,7 +118,7 @@ async def _produce(spec: PublishSpec, counters: Counters, pipe: Pipe) -> dict[st
     backlog_waits = 0
     confirms = conn.scanner.confirms
     while time.monotonic() < end_at:
-        if any(expected[q] - counters[q] > spec.max_backlog for q in queue_ids):
+        if spec.max_backlog and any(expected[q] - counters[q] > spec.max_backlog for q in queue_ids):
             backlog_waits += 1
             await asyncio.sleep(PROGRESS_INTERVAL)
             continue
@@ -133,6 +134,8 @@ async def _produce(spec: PublishSpec, counters: Counters, pipe: Pipe) -> dict[st
         published += per_block
         for q in queue_ids:
             expected[q] += expect_per_block[q]
+        if spec.published_counter >= 0:
+            counters[spec.published_counter] = published
         await conn.drain()
         # Yield every block so acks/confirms/closes from the broker get read.
         await asyncio.sleep(0)

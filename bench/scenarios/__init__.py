@@ -6,7 +6,7 @@ from collections.abc import Callable
 from functools import partial
 
 from bench.results import Metric, RunOptions
-from bench.scenarios import confirm_latency, idle_memory, latency, stream
+from bench.scenarios import confirm_latency, flood, idle_memory, latency, stream
 from bench.scenarios.throughput import PLANS, run_plan
 from bench.target import Target
 
@@ -28,6 +28,10 @@ SCENARIOS: dict[str, ScenarioFn] = {
     "latency": latency.run,
     "fanout": partial(run_plan, PLANS["fanout"]),
     "topic": partial(run_plan, PLANS["topic"]),
+    "flood": partial(flood.run, "flood"),
+    "flood_fanout": partial(flood.run, "flood_fanout"),
+    "flood_topic": partial(flood.run, "flood_topic"),
+    "flood_pair": partial(flood.run, "flood_pair"),
     "persistent": _persistent,
     "persistent_1mib": partial(run_plan, PLANS["persistent_1mib"]),
     "stream": stream.run,

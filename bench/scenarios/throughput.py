@@ -51,6 +51,9 @@ class Plan:
     consumer_procs: int = 1  # queues are split evenly across this many consumer processes
     bindings: tuple[tuple[int, str], ...] = ()  # (queue index, binding key) for topic
     routing_keys: tuple[str, ...] = ()  # for topic
+    # Non-durable queues are auto-delete unless this is set (the flood scenarios read
+    # their depth after the consumers left); cleanup deletes them either way.
+    keep_queues: bool = False
 
 
 TOPIC_BINDINGS: tuple[tuple[int, str], ...] = (
@@ -99,7 +102,7 @@ async def _declare(target: Target, plan: Plan) -> Topology:
             await declare_exchange(conn, ch, exchange, plan.exchange_kind)
         for q in queues:
             # Non-durable queues are also auto-delete as a safety net should cleanup not run.
-            await declare_queue(conn, ch, q, durable=plan.durable, auto_delete=not plan.durable)
+            await declare_queue(conn, ch, q, durable=plan.durable, auto_delete=not (plan.durable or plan.keep_queues))
         keys: tuple[str, ...]
         reach: tuple[tuple[int, ...], ...]
         if plan.exchange_kind == "default":

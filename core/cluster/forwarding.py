@@ -28,7 +28,7 @@ import grpc
 from core.cluster import internal_pb2 as pb
 from core.cluster import internal_pb2_grpc as pb_grpc
 from core.cluster.auth import PeerAuth
-from core.engine import direct_reply
+from core.engine import direct_reply, flow
 from core.engine.queue import Consumer, QueueChannel
 from core.engine.stream import StreamQueue
 from core.engine.stream_args import parse_reader
@@ -67,6 +67,10 @@ SETTLE_DELAY = 0.002
 # Forward batches in flight per peer before the next one waits to grow.
 MAX_INFLIGHT_BATCHES = 64
 BATCH_BYTES = 4 * 1024 * 1024
+# Forwarded messages enqueued per loop turn: a batch is up to BATCH_BYTES (~14k
+# messages of 256 B, ~150 ms of work at ~10 µs each), which would keep the loop
+# from every connection's acks and heartbeats; 512 is ~5 ms (docs/notes/flow.md).
+FORWARD_SLICE = 512
 # How long a publish to a queue without a live owner waits for one.
 OWNERLESS_TIMEOUT = 15.0
 # The node-to-node wire format (the packed records, the session's kinds). Every
@@ -1058,6 +1062,42 @@ async def _check_peer(context: grpc.aio.ServicerContext, auth: PeerAuth, refused
                         "version on every node of a cluster")
 
 
+async def released(call: flow.HeldCall) -> None:
+    """Wait until no queue holds ``call`` (flow control: core/engine/flow.py)."""
+    if call.held:
+        done: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+
+        def free() -> None:
+            if not done.done():
+                done.set_result(None)
+
+        call.on_free = free
+        await done
+
+
+async def _enqueue_fairly(q: Queue, messages: list[Message]) -> list[bool]:
+    """``q.enqueue_many`` in slices of FORWARD_SLICE, a loop turn apart, waiting while flow control holds.
+
+    While the owner's queue is behind its consumers the next slice (and the next
+    batch) waits, so the stream's gRPC window fills and the forwarding node's
+    FORWARD_HIGH_WATER stops it reading its publishers.
+    """
+    call = flow.HeldCall()
+    oks: list[bool] = []
+    for start in range(0, len(messages), FORWARD_SLICE):
+        if start:
+            await asyncio.sleep(0)
+            if q.deleted or q.remote is not None:  # gone, or handed over, while we yielded
+                return oks + [False] * (len(messages) - start)
+        previous = flow.swap(call)
+        try:
+            oks += q.enqueue_many(messages[start : start + FORWARD_SLICE])
+        finally:
+            flow.swap(previous)
+        await released(call)
+    return oks
+
+
 class NodeService(pb_grpc.NodeServicer):
     """The owner's side of forwarding and proxied subscriptions."""
 
@@ -1088,7 +1128,7 @@ class NodeService(pb_grpc.NodeServicer):
             if q is None or q.remote is not None or q.deleted:
                 accepted += [False] * len(messages)
                 continue
-            oks = q.enqueue_many(messages)
+            oks = await _enqueue_fairly(q, messages)
             accepted += oks
             if q.storage is not None and not stored:
                 stored = any(ok and m.summary.delivery_mode == 2 for ok, m in zip(oks, messages, strict=True))

@@ -14,6 +14,7 @@ from collections import deque
 from collections.abc import Callable, Iterable, Sequence
 from typing import TYPE_CHECKING, Any, Protocol
 
+from core.engine.flow import FLOW_HIGH, FLOW_LOW, QueueFlow
 from core.engine.queue_args import QueueArgs
 from core.engine.ready import PriorityReady, requeue_into, take_offsets
 from core.model.clock import AsyncioScheduler, Scheduler, TimerHandle
@@ -94,6 +95,8 @@ class QueueChannel:
         self._dispatching = False
         self._expiry_timer: TimerHandle | None = None
         self._expiry_at = 0.0
+        # Flow control (core/engine/flow.py): publishers held while consumers fall behind.
+        self.flow = QueueFlow(self)
 
     # -- arrival ---------------------------------------------------------------
     def push(self, qm: QueuedMessage) -> None:
@@ -105,11 +108,15 @@ class QueueChannel:
             if c is not None:
                 self._hand_over(c, qm)
                 return
-        self.ready.append(qm)
+        ready = self.ready
+        ready.append(qm)
         self.ready_bytes += len(qm.message.body)
-        if self.consumers and not self._dispatching:
-            self.dispatch()
-        if qm.expires_at is not None and self.ready:
+        if self.consumers:
+            if not self._dispatching:
+                self.dispatch()
+            if len(ready) >= FLOW_HIGH:
+                self.flow.over_high()
+        if qm.expires_at is not None and ready:
             self._arm_expiry()
 
     def push_many(self, qms: Sequence[QueuedMessage]) -> None:
@@ -143,8 +150,11 @@ class QueueChannel:
             if qm.expires_at is not None:
                 expiring = True
         self.ready_bytes += size
-        if self.consumers and not self._dispatching:
-            self.dispatch()
+        if self.consumers:
+            if not self._dispatching:
+                self.dispatch()
+            if len(ready) >= FLOW_HIGH:
+                self.flow.over_high()
         if expiring and self.ready:
             self._arm_expiry()
 
@@ -209,6 +219,9 @@ class QueueChannel:
                     queue.drop([qm], EXPIRED)
                     continue
                 self._hand_over(c, qm)
+            flow = self.flow
+            if (flow.behind or flow.stalled) and len(ready) <= FLOW_LOW:
+                flow.at_low()
         finally:
             self._dispatching = False
 
@@ -234,6 +247,7 @@ class QueueChannel:
             return None
         qm = self.ready.popleft()
         self.ready_bytes -= len(qm.message.body)
+        self.flow_recheck()
         qm.delivery_count += 1
         if not no_ack:
             self.unacked += 1
@@ -260,6 +274,7 @@ class QueueChannel:
             expired.append(head)
         if expired:
             self.queue.drop(expired, EXPIRED)
+            self.flow_recheck()
         self._arm_expiry()
 
     def _arm_expiry(self) -> None:
@@ -372,6 +387,7 @@ class QueueChannel:
         if self._next >= len(self.consumers):
             self._next = 0
         self._regroup()
+        self.flow_recheck()
         self.queue.consumer_removed()
         if self.queue.remote is not None:
             self.queue.remote.consumers_changed(self)
@@ -387,6 +403,7 @@ class QueueChannel:
                     self.queue.forget(qm)
         self.ready.clear()
         self.ready_bytes = 0
+        self.flow_recheck()
         return n
 
     def take_offsets(self, offsets: set[int]) -> list[QueuedMessage]:
@@ -406,6 +423,13 @@ class QueueChannel:
         if self._expiry_timer is not None:
             self._expiry_timer.cancel()
             self._expiry_timer = None
+        self.flow.at_low()  # the channel or its queue is going away: nobody waits on it
+
+    def flow_recheck(self) -> None:
+        """Ready messages left other than by delivery (get, expiry, purge) or a consumer left."""
+        flow = self.flow
+        if (flow.behind or flow.stalled) and (len(self.ready) <= FLOW_LOW or not self.consumers):
+            flow.at_low()
 
 
 def _offset(qm: QueuedMessage) -> int:

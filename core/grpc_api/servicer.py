@@ -24,7 +24,8 @@ from typing import Any
 
 import grpc
 
-from core.cluster.forwarding import QueueRemote
+from core.cluster.forwarding import QueueRemote, released
+from core.engine import flow
 from core.engine.broker import Broker, User
 from core.engine.queue import Consumer, Queue, QueueChannel
 from core.engine.stream import StreamQueue
@@ -40,6 +41,9 @@ log = logging.getLogger("leveret.grpc")
 
 DEFAULT_PREFETCH = 1000
 DEFAULT_BATCH = 512
+# PushBatch handles this many messages per loop turn (~2-3 ms here), so a big batch
+# cannot keep the loop from other clients' acks and heartbeats (docs/notes/flow.md).
+PUSH_SLICE = 256
 # Auto-ack subscriptions stop taking messages while this many wait to be sent.
 AUTO_ACK_BUFFER = 4096
 
@@ -480,7 +484,14 @@ class BrokerServicer(pb_grpc.BrokerServicer):
         async with _errors(context):
             user, vh = self._login(context)
             q = self._queue(vh, request.queue)
-            message, offset, stored, answer = self._push(user, q, request)
+            call = flow.HeldCall()
+            previous = flow.swap(call)
+            try:
+                message, offset, stored, answer = self._push(user, q, request)
+            finally:
+                flow.swap(previous)
+            # Flow control: while the queue is behind its consumers the answer waits.
+            await released(call)
             if stored:
                 await self._committed()
             if answer is not None:
@@ -497,16 +508,28 @@ class BrokerServicer(pb_grpc.BrokerServicer):
             any_stored = False
             answers: list[asyncio.Future[bool]] = []
             push = self._push
+            call = flow.HeldCall()
             for i, req in enumerate(request.messages):
+                if i and not i % PUSH_SLICE:
+                    # A loop turn between slices for everyone else; wait while flow control holds.
+                    await asyncio.sleep(0)
+                    await released(call)
+                    if q.deleted:
+                        raise ApiError(grpc.StatusCode.NOT_FOUND,
+                                       f"queue '{q.name}' was deleted during the batch; the {i} before it were pushed")
+                previous = flow.swap(call)
                 try:
                     message, offset, stored, answer = push(user, q, req)
                 except ApiError as exc:
                     exc.details += f" (message {i} of the batch; the {i} before it were pushed)"
                     raise
+                finally:
+                    flow.swap(previous)
                 add(id=message.id, offset=offset)
                 any_stored = any_stored or stored
                 if answer is not None:
                     answers.append(answer)
+            await released(call)
             if any_stored:
                 await self._committed()
             if answers:
