@@ -15,6 +15,7 @@ from core.engine.broker import Broker
 from core.engine.flow import CHECK_S, FLOW_HIGH, FLOW_LOW, MIN_DRAIN
 from core.model.clock import ManualScheduler
 from tests.amqp_client import Client, assemble, connected, publish_bytes
+from tests.brokers import local_broker
 
 BODY = b"x" * 32
 
@@ -44,7 +45,7 @@ def _drain_input(client: Client) -> None:
 
 
 def test_queue_behind_its_consumer_holds_the_publisher_then_releases_it_in_order() -> None:
-    broker = Broker()
+    broker = local_broker()
     pub, sub = _setup(broker)
     released: list[bool] = []
     pub.conn.on_input_ready = lambda: released.append(True)
@@ -86,7 +87,7 @@ def test_queue_behind_its_consumer_holds_the_publisher_then_releases_it_in_order
 
 
 def test_queue_without_consumers_never_holds() -> None:
-    broker = Broker()
+    broker = local_broker()
     pub = connected(broker)
     pub.declare_queue(1, "q")
     pub.send_raw(_many(2 * FLOW_HIGH))
@@ -96,7 +97,7 @@ def test_queue_without_consumers_never_holds() -> None:
 
 
 def test_consumer_leaving_releases_the_publisher() -> None:
-    broker = Broker()
+    broker = local_broker()
     pub, sub = _setup(broker)
     pub.send_raw(_many(FLOW_HIGH + 100))
     _drain_input(pub)
@@ -107,7 +108,7 @@ def test_consumer_leaving_releases_the_publisher() -> None:
 
 def test_stalled_consumer_releases_the_publisher_and_the_queue_takes_the_rest() -> None:
     scheduler = ManualScheduler()
-    broker = Broker(scheduler=scheduler)
+    broker = local_broker(scheduler=scheduler)
     pub, _sub = _setup(broker)
     q = broker.vhosts["/"].queues["q"]
     total = FLOW_HIGH + 3 * MIN_DRAIN
@@ -123,7 +124,7 @@ def test_stalled_consumer_releases_the_publisher_and_the_queue_takes_the_rest() 
 
 def test_draining_consumer_keeps_the_publisher_held() -> None:
     scheduler = ManualScheduler()
-    broker = Broker(scheduler=scheduler)
+    broker = local_broker(scheduler=scheduler)
     pub, sub = _setup(broker, prefetch=MIN_DRAIN)
     pub.send_raw(_many(FLOW_HIGH + 3 * MIN_DRAIN))
     _drain_input(pub)
@@ -135,7 +136,7 @@ def test_draining_consumer_keeps_the_publisher_held() -> None:
 
 
 def test_flow_seconds_and_heartbeats_while_held() -> None:
-    broker = Broker()
+    broker = local_broker()
     pub = Client(broker, now=100.0)
     pub.handshake(heartbeat=10)
     pub.open_channel(1)
@@ -155,7 +156,7 @@ def test_flow_seconds_and_heartbeats_while_held() -> None:
 
 
 def test_one_read_is_handled_in_budget_sized_turns() -> None:
-    broker = Broker()
+    broker = local_broker()
     pub = connected(broker)
     pub.declare_queue(1, "q")
     data = _many(4000)
@@ -181,7 +182,7 @@ def test_forwarded_batch_waits_while_the_owners_queue_is_behind() -> None:
     from core.model.message import Message
     from core.model.properties import EMPTY, scan
 
-    broker = Broker(scheduler=ManualScheduler())
+    broker = local_broker(scheduler=ManualScheduler())
     _pub, sub = _setup(broker)
     q = broker.vhosts["/"].queues["q"]
     summary = scan(EMPTY)
