@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import base64
 import hashlib
 import hmac
 import ipaddress
@@ -23,7 +24,26 @@ if TYPE_CHECKING:
 
 
 def _hash(password: str, salt: bytes) -> bytes:
+    if len(salt) == RABBIT_SALT_BYTES:
+        # A user imported from RabbitMQ's definitions (rabbit_password_hashing_sha256):
+        # SHA-256(salt + password), so its RabbitMQ password keeps working here.
+        return hashlib.sha256(salt + password.encode("utf-8")).digest()
     return hashlib.pbkdf2_hmac("sha256", password.encode("utf-8"), salt, 1)
+
+
+# RabbitMQ's password_hash is base64(4-byte salt + digest); Leveret's own salts are 16
+# bytes, so the salt's length tells the two kinds apart and the store needs no new column.
+RABBIT_SALT_BYTES = 4
+RABBIT_SHA256 = "rabbit_password_hashing_sha256"
+
+
+@dataclass(frozen=True)
+class Permission:
+    """RabbitMQ's configure/write/read regular expressions of a user in one vhost."""
+
+    configure: str = ".*"
+    write: str = ".*"
+    read: str = ".*"
 
 
 @dataclass
@@ -34,14 +54,37 @@ class User:
     tags: tuple[str, ...] = ()
     vhosts: set[str] = field(default_factory=set)  # empty: no vhost at all
     loopback_only: bool = False
+    # The regexes set with the management API (a vhost in ``vhosts`` without an entry
+    # here has ".*" for all three); topic permissions: vhost -> exchange -> (write, read).
+    permissions: dict[str, Permission] = field(default_factory=dict)
+    topic_permissions: dict[str, dict[str, tuple[str, str]]] = field(default_factory=dict)
 
     @classmethod
     def create(cls, name: str, password: str, **kwargs: object) -> User:
         salt = os.urandom(16)
         return cls(name, salt, _hash(password, salt), **kwargs)  # type: ignore[arg-type]
 
+    @classmethod
+    def from_rabbit_hash(cls, name: str, password_hash: str, **kwargs: object) -> User:
+        """A user from RabbitMQ's definitions: ``password_hash`` is base64(salt + SHA-256(salt + password))."""
+        raw = base64.b64decode(password_hash, validate=True)
+        if len(raw) != RABBIT_SALT_BYTES + hashlib.sha256().digest_size:
+            raise ValueError(f"password_hash of user '{name}' is not a {RABBIT_SHA256} hash")
+        return cls(name, raw[:RABBIT_SALT_BYTES], raw[RABBIT_SALT_BYTES:], **kwargs)  # type: ignore[arg-type]
+
+    def rabbit_hash(self) -> str | None:
+        """The hash in RabbitMQ's format, when this user has one (else None: RabbitMQ could not check it)."""
+        if len(self.salt) != RABBIT_SALT_BYTES:
+            return None
+        return base64.b64encode(self.salt + self.password_hash).decode("ascii")
+
     def check_password(self, password: str) -> bool:
         return hmac.compare_digest(_hash(password, self.salt), self.password_hash)
+
+    def permission(self, vhost: str) -> Permission | None:
+        if vhost not in self.vhosts:
+            return None
+        return self.permissions.get(vhost) or Permission()
 
 
 def is_loopback(address: str | None) -> bool:
