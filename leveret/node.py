@@ -24,6 +24,7 @@ from leveret.retention_schedule import RetentionService
 
 if TYPE_CHECKING:
     from coordination.etcd import EtcdCluster
+    from leveret.http.server import ManagementAPI
 
 log = logging.getLogger("leveret.node")
 
@@ -48,6 +49,7 @@ class Node:
         )
         self.grpc = GRPCServer(self.broker, config.max_message_size)
         self.cluster: EtcdCluster | None = None
+        self.management: ManagementAPI | None = None
         StreamQueue.memory_limit = config.stream_memory_bytes
 
     def _make_store(self) -> MessageStore:
@@ -128,6 +130,7 @@ class Node:
             await self.amqp.start(self.config.bind, self.config.amqp_port)
             await self.grpc.start(self.config.bind, self.config.grpc_port)
         self._monitor = asyncio.create_task(self._watch_memory())
+        await self._start_management()
         log.info(
             "node started",
             extra={
@@ -138,6 +141,23 @@ class Node:
                 "pid": os.getpid(),
             },
         )
+
+    async def _start_management(self) -> None:
+        if not self.config.management_port:
+            return
+        from leveret.http.server import ManagementAPI
+
+        api = ManagementAPI(self)
+        try:
+            await api.start(self.config.bind, self.config.management_port)
+        except OSError as exc:
+            # The broker itself is up; an operator sees this line and the missing
+            # port-listener check rather than a node that will not start.
+            log.error("management API not started", extra={
+                "host": self.config.bind, "port": self.config.management_port, "error": exc.strerror or str(exc)})
+            await api.stop()
+            return
+        self.management = api
 
     def watermark_bytes(self) -> int:
         mark = self.config.memory_high_watermark
@@ -172,6 +192,8 @@ class Node:
     async def stop(self) -> None:
         log.info("node stopping", extra={"node": self.broker.node_id, "connections": len(self.amqp.connections)})
         self._monitor.cancel()
+        if self.management is not None:
+            await self.management.stop()
         if self.cluster is not None:
             # Hand our queues to the other nodes first, while we still serve them.
             await self.cluster.stop(handover=True)
