@@ -22,7 +22,7 @@ from aiohttp import web
 from core.engine.broker import User
 from core.engine.vhost import VirtualHost
 from core.model.errors import AccessRefused, BrokerError, NotFound
-from leveret.http import api_admin, api_conns, api_topology, definitions
+from leveret.http import api_admin, api_conns, api_topology, console, definitions
 from leveret.http.context import NodeView
 from leveret.http.errors import HttpError, bad_request, not_authorised, not_found
 from leveret.http.rates import RateSampler
@@ -101,6 +101,7 @@ class ManagementAPI:
         for module in (api_admin, api_conns, api_topology, definitions):
             module.register(self.router)
         self.app = web.Application(client_max_size=MAX_BODY)
+        console.register(self.app)
         self.app.router.add_route("*", "/api/{tail:.*}", self._dispatch)
         self._runner: web.AppRunner | None = None
         self._site: web.TCPSite | None = None
@@ -177,7 +178,8 @@ class ManagementAPI:
             log.info("management API refused a request", extra={
                 "method": request.method, "path": request.path, "status": exc.status, "reason": exc.reason})
         response = json_response(exc.body(), status=exc.status)
-        if exc.status == 401:
+        if exc.status == 401 and request.headers.get("X-Requested-With") != "XMLHttpRequest":
+            # Not for the console's own requests: the header makes a browser open its login dialog.
             response.headers["WWW-Authenticate"] = REALM
         return response
 
