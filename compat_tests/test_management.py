@@ -102,8 +102,11 @@ def test_queue_lifecycle_counts_and_stats(mgmt: Mgmt) -> None:
     assert got[0]["routing_key"] == name and got[0]["payload_encoding"] == "string"
     got = mgmt.ok("POST", f"{path}/get", {"count": 1, "ackmode": "ack_requeue_true", "encoding": "auto"}).body
     assert got[0]["payload"] == "m2"
+    again = mgmt.ok("POST", f"{path}/get", {"count": 1, "ackmode": "ack_requeue_true", "encoding": "auto"}).body
+    assert again[0]["payload"] == "m2" and again[0]["redelivered"] is True
     info = wait_for(lambda: (i := mgmt.get(path))["messages"] == 1 and i)
-    assert info["message_stats"]["deliver_get"] == 3
+    assert info["message_stats"]["deliver_get"] == 4
+    assert info["message_stats"]["redeliver"] == 1
     mgmt.ok("DELETE", f"{path}/contents")
     wait_for(lambda: mgmt.get(path)["messages"] == 0)
     mgmt.ok("DELETE", path)
@@ -218,6 +221,17 @@ def test_bad_input_is_400_with_rabbitmq_body_and_nothing_applied(mgmt: Mgmt) -> 
         reply = mgmt.request("POST", "/api/definitions", bad)
         assert reply.status == 400 and reply.body["error"] == "bad_request"
         assert mgmt.request("GET", f"/api/vhosts/{vhost}").status == 404
+        # An existing queue declared differently is refused before the new exchange is made.
+        existing, x = unique("exists"), unique("newx")
+        mgmt.ok("PUT", f"/api/queues/%2F/{existing}", {"durable": False})
+        clash = {"exchanges": [{"name": x, "vhost": "/", "type": "direct", "durable": False, "auto_delete": False,
+                                "internal": False, "arguments": {}}],
+                 "queues": [{"name": existing, "vhost": "/", "durable": True, "auto_delete": False,
+                             "arguments": {}}]}
+        reply = mgmt.request("POST", "/api/definitions", clash)
+        assert reply.status == 400 and "inequivalent" in reply.body["reason"]
+        assert mgmt.request("GET", f"/api/exchanges/%2F/{x}").status == 404
+        mgmt.ok("DELETE", f"/api/queues/%2F/{existing}")
 
 
 def test_tags_decide_http_access(mgmt: Mgmt) -> None:
@@ -261,6 +275,22 @@ def test_policies_operator_policies_and_parameters(mgmt: Mgmt) -> None:
     assert op in {p["name"] for p in mgmt.get("/api/operator-policies/%2F")}
     mgmt.ok("DELETE", f"/api/operator-policies/%2F/{op}")
     assert isinstance(mgmt.get("/api/parameters"), list)
+
+
+def test_get_with_reject_dead_letters(mgmt: Mgmt) -> None:
+    src, dlq = unique("src"), unique("dlq")
+    mgmt.ok("PUT", f"/api/queues/%2F/{dlq}", {"durable": False})
+    mgmt.ok("PUT", f"/api/queues/%2F/{src}", {"durable": False, "arguments": {
+        "x-dead-letter-exchange": "", "x-dead-letter-routing-key": dlq}})
+    mgmt.ok("POST", "/api/exchanges/%2F/amq.default/publish", {"routing_key": src, "payload": "bad",
+                                                              "properties": {}})
+    got = mgmt.ok("POST", f"/api/queues/%2F/{src}/get", {"count": 1, "ackmode": "reject_requeue_false",
+                                                         "encoding": "auto"}).body
+    assert got[0]["payload"] == "bad"
+    assert wait_for(lambda: mgmt.get(f"/api/queues/%2F/{dlq}")["messages"] == 1)
+    assert mgmt.get(f"/api/queues/%2F/{src}")["messages"] == 0
+    for name in (src, dlq):
+        mgmt.ok("DELETE", f"/api/queues/%2F/{name}")
 
 
 def test_health_checks_and_aliveness(mgmt: Mgmt) -> None:

@@ -19,12 +19,14 @@ from leveret import __version__
 from leveret.http import listing
 from leveret.http.errors import bad_request, not_found
 from leveret.http.rates import QUEUE_FIELDS, add_stats, stats_json
+from leveret.http.responses import created, json_response, no_content
 from leveret.http.views import queue_counts, user_json
 
 if TYPE_CHECKING:
     from core.engine.vhost import VirtualHost
     from leveret.http.routing import Router
     from leveret.http.server import Call
+
 
 PRODUCT = "Leveret"
 RABBIT_COMPAT_VERSION = "3.13.7"  # the management API version tools see (rabbitmqadmin checks none)
@@ -199,8 +201,6 @@ def _tags(value: Any, what: str) -> tuple[str, ...]:
 
 
 async def vhost_put(call: Call) -> web.Response:
-    from leveret.http.server import created
-
     body = await call.body(VHOST_FIELDS)
     description = body.get("description", "")
     if not isinstance(description, str):
@@ -218,12 +218,12 @@ async def vhost_put(call: Call) -> web.Response:
 
 
 async def vhost_delete(call: Call) -> web.Response:
-    from leveret.http.server import no_content
+    from leveret.http import declare
 
     vh = call.vhost()
-    for q in list(vh.queues.values()):
-        vh._drop_queue(q)
-    del call.broker.vhosts[vh.name]
+    for name in list(vh.queues):
+        await declare.delete_queue(call.broker, vh, name, False, False)
+    call.broker.vhosts.pop(vh.name, None)
     for user in call.broker.users.values():
         user.vhosts.discard(vh.name)
         user.permissions.pop(vh.name, None)
@@ -303,8 +303,6 @@ async def save_user(call: Call, user: User) -> None:
 
 
 async def user_put(call: Call) -> web.Response:
-    from leveret.http.server import created
-
     body = await call.body(USER_FIELDS)
     name = call.params["user"]
     old = call.broker.users.get(name)
@@ -314,8 +312,6 @@ async def user_put(call: Call) -> web.Response:
 
 
 async def user_delete(call: Call) -> web.Response:
-    from leveret.http.server import no_content
-
     user = _user(call)
     del call.broker.users[user.name]
     if call.node.store is not None:
@@ -377,8 +373,6 @@ def permission_from_json(body: dict[str, Any]) -> Permission:
 
 
 async def permission_put(call: Call) -> web.Response:
-    from leveret.http.server import created
-
     body = await call.body(PERMISSION_FIELDS)
     vh, user = call.vhost(), _user(call)
     perm = permission_from_json(body)
@@ -390,8 +384,6 @@ async def permission_put(call: Call) -> web.Response:
 
 
 async def permission_delete(call: Call) -> web.Response:
-    from leveret.http.server import no_content
-
     vh, user = call.vhost(), _user(call)
     user.vhosts.discard(vh.name)
     user.permissions.pop(vh.name, None)
@@ -421,8 +413,6 @@ TOPIC_FIELDS = frozenset({"exchange", "write", "read", "user", "vhost"})
 
 
 async def topic_permission_put(call: Call) -> web.Response:
-    from leveret.http.server import created
-
     body = await call.body(TOPIC_FIELDS)
     vh, user = call.vhost(), _user(call)
     exchange = body.get("exchange")
@@ -436,8 +426,6 @@ async def topic_permission_put(call: Call) -> web.Response:
 
 
 async def topic_permission_delete(call: Call) -> web.Response:
-    from leveret.http.server import no_content
-
     vh, user = call.vhost(), _user(call)
     user.topic_permissions.pop(vh.name, None)
     return no_content()
@@ -491,8 +479,6 @@ def policy_from_json(vhost: str, name: str, body: dict[str, Any]) -> PolicyDefin
 
 
 async def policy_put(call: Call) -> web.Response:
-    from leveret.http.server import created
-
     body = await call.body(POLICY_FIELDS)
     vh = call.vhost(write=True)
     policy = policy_from_json(vh.name, call.params["name"], body)
@@ -504,8 +490,6 @@ async def policy_put(call: Call) -> web.Response:
 
 
 async def policy_delete(call: Call) -> web.Response:
-    from leveret.http.server import no_content
-
     vh = call.vhost(write=True)
     if _store(vh, _operator(call)).pop(call.params["name"], None) is None:
         raise not_found(f"policy '{call.params['name']}' not found")
@@ -533,8 +517,6 @@ async def parameter_get(call: Call) -> dict[str, Any]:
 
 
 async def parameter_put(call: Call) -> web.Response:
-    from leveret.http.server import created
-
     body = await call.body(frozenset({"value", "component", "name", "vhost"}))
     if "value" not in body:
         raise bad_request("value is required")
@@ -545,8 +527,6 @@ async def parameter_put(call: Call) -> web.Response:
 
 
 async def parameter_delete(call: Call) -> web.Response:
-    from leveret.http.server import no_content
-
     vh = call.vhost(write=True)
     if vh.parameters.pop((call.params["component"], call.params["name"]), None) is None:
         raise not_found()
@@ -560,16 +540,12 @@ async def health_ok(call: Call) -> dict[str, Any]:
 
 async def health_alarms(call: Call) -> Any:
     if call.broker.memory_alarm:
-        from leveret.http.server import json_response
-
         return json_response({"status": "failed", "reason": "resource alarm(s) in effect in the cluster",
                               "alarms": [{"node": call.node_name, "resource": "memory"}]}, status=503)
     return {"status": "ok"}
 
 
 async def health_port(call: Call) -> Any:
-    from leveret.http.server import json_response
-
     raw = call.params["port"]
     try:
         port = int(raw)
@@ -603,7 +579,5 @@ async def aliveness(call: Call) -> Any:
     declare.publish(vh, None, Message("", q.name, b"\x00\x00", b"test_message", node=call.node_name))
     qm = q.default.get(no_ack=True)
     if qm is None or qm.message.body != b"test_message":
-        from leveret.http.server import json_response
-
         return json_response({"status": "failed", "reason": "the test message did not come back"}, status=503)
     return {"status": "ok"}

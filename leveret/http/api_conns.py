@@ -9,12 +9,14 @@ from aiohttp import web
 
 from leveret.http import listing
 from leveret.http.errors import not_found
+from leveret.http.responses import no_content
 from leveret.http.views import channel_json, connection_json, connection_name, consumers_json
 
 if TYPE_CHECKING:
     from amqp_frontend.server import AMQPProtocol
     from leveret.http.routing import Router
     from leveret.http.server import Call
+
 
 log = logging.getLogger("leveret.http")
 
@@ -65,8 +67,6 @@ async def connection_get(call: Call) -> dict[str, Any]:
 
 async def connection_close(call: Call) -> web.Response:
     """Close with 320 CONNECTION_FORCED and the X-Reason header's text, as RabbitMQ does."""
-    from leveret.http.server import no_content
-
     proto = _connection(call)
     reason = call.request.headers.get("X-Reason", "Closed via management plugin")
     conn = proto.conn

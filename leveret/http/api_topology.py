@@ -15,6 +15,7 @@ from core.model import properties
 from core.model.message import Message
 from leveret.http import declare, listing
 from leveret.http.errors import bad_request, not_found
+from leveret.http.responses import created, json_response, no_content
 from leveret.http.views import (
     binding_json,
     default_binding_json,
@@ -29,6 +30,7 @@ if TYPE_CHECKING:
     from core.engine.vhost import VirtualHost
     from leveret.http.routing import Router
     from leveret.http.server import Call
+
 
 
 def register(r: Router) -> None:
@@ -106,8 +108,6 @@ QUEUE_FIELDS = frozenset({"durable", "auto_delete", "arguments", "node", "name",
 
 
 async def queue_put(call: Call) -> web.Response:
-    from leveret.http.server import created
-
     body = await call.body(QUEUE_FIELDS)
     vh = call.vhost(write=True)
     name = call.params["name"]
@@ -128,8 +128,6 @@ async def queue_put(call: Call) -> web.Response:
 
 
 async def queue_delete(call: Call) -> web.Response:
-    from leveret.http.server import no_content
-
     vh, q = _queue(call, write=True)
     await declare.delete_queue(call.broker, vh, q.name, _flag(call, "if-unused"), _flag(call, "if-empty"))
     return no_content()
@@ -140,8 +138,6 @@ def _flag(call: Call, name: str) -> bool:
 
 
 async def queue_purge(call: Call) -> web.Response:
-    from leveret.http.server import no_content
-
     _, q = _queue(call, write=True)
     await declare.purge_queue(call.broker, q)
     return no_content()
@@ -212,6 +208,8 @@ async def queue_get_messages(call: Call) -> list[dict[str, Any]]:
         })
     if requeue:
         q.default.requeue([(qm, None) for qm in taken])
+    elif ackmode.startswith("reject"):
+        q.default.discard([(qm, None) for qm in taken])  # dead-lettered where the queue says so
     else:
         for qm in taken:
             q.default.settle(qm, None)
@@ -250,8 +248,6 @@ async def channel_get(call: Call) -> dict[str, Any]:
 
 
 async def channel_create(call: Call) -> web.Response:
-    from leveret.http.server import json_response
-
     body = await call.body(frozenset({"name", "topic"}))
     _, q = _queue(call, write=True)
     name, topic = body.get("name"), body.get("topic", "")
@@ -272,8 +268,6 @@ async def channel_create(call: Call) -> web.Response:
 
 
 async def channel_delete(call: Call) -> web.Response:
-    from leveret.http.server import no_content
-
     _, q = _queue(call, write=True)
     ch = _find_channel(q, call.params["channel"])
     if ch is q.default:
@@ -318,8 +312,6 @@ EXCHANGE_FIELDS = frozenset({"type", "durable", "auto_delete", "internal", "argu
 
 
 async def exchange_put(call: Call) -> web.Response:
-    from leveret.http.server import created
-
     body = await call.body(EXCHANGE_FIELDS)
     vh = call.vhost(write=True)
     name = call.params["name"]
@@ -334,8 +326,6 @@ async def exchange_put(call: Call) -> web.Response:
 
 
 async def exchange_delete(call: Call) -> web.Response:
-    from leveret.http.server import no_content
-
     vh, x = _exchange(call, write=True)
     if x is None:
         raise bad_request("the default exchange cannot be deleted")
@@ -454,8 +444,6 @@ async def binding_create(call: Call) -> web.Response:
 
 
 async def binding_delete(call: Call) -> web.Response:
-    from leveret.http.server import no_content
-
     found = await binding_get(call)
     vh = call.vhost(write=True)
     await declare.bind(call.broker, vh, found["source"], found["destination_type"], found["destination"],

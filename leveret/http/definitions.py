@@ -13,9 +13,8 @@ from typing import TYPE_CHECKING, Any
 from aiohttp import web
 
 from core.engine.broker import Permission, User
-from core.engine.exchange import make_exchange
 from core.engine.policy_store import PolicyDefinition
-from core.engine.queue_args import parse_queue_args
+from core.engine.vhost import VirtualHost
 from core.model.errors import BrokerError
 from leveret import __version__
 from leveret.http import declare
@@ -30,12 +29,13 @@ from leveret.http.api_admin import (
     user_from_json,
 )
 from leveret.http.errors import bad_request
+from leveret.http.responses import no_content
 from leveret.http.views import jsonable, user_json
 
 if TYPE_CHECKING:
-    from core.engine.vhost import VirtualHost
     from leveret.http.routing import Router
     from leveret.http.server import Call
+
 
 
 def register(r: Router) -> None:
@@ -182,6 +182,8 @@ def plan_import(call: Call, data: dict[str, Any], only_vhost: str | None) -> Pla
             raise bad_request(f"{what}: no vhost '{name}'")
         return name
 
+    # Checks of a new exchange or queue need no state of the vhost: a scratch one answers them.
+    scratch = VirtualHost("import-check")
     for item in _list(data, "policies"):
         vhost = vhost_of(item, "policy")
         plan.policies.append(policy_from_json(vhost, _str(item, "name", "policy"), item))
@@ -197,12 +199,22 @@ def plan_import(call: Call, data: dict[str, Any], only_vhost: str | None) -> Pla
         args = _args(item, what)
         if name.startswith("amq.") or not name:
             continue  # the standard exchanges exist in every vhost
+        durable, auto_delete = _bool(item, "durable", what, True), _bool(item, "auto_delete", what, False)
+        internal = _bool(item, "internal", what, False)
+        vh = broker.vhosts.get(vhost)
+        existing = vh.exchanges.get(name) if vh is not None else None
         try:
-            make_exchange(type_, name, arguments=args)
+            if existing is None:
+                scratch.check_new_exchange(name, type_, args)
+            else:  # as a redeclaration: 406 for a different one, before anything is applied
+                assert vh is not None
+                vh._check_equivalent("exchange", name, (
+                    ("type", type_, existing.type), ("durable", durable, existing.durable),
+                    ("auto_delete", auto_delete, existing.auto_delete), ("internal", internal, existing.internal)),
+                    args, existing.arguments)
         except BrokerError as exc:
             raise bad_request(f"{what}: {exc.text}") from None
-        plan.exchanges.append((vhost, name, type_, _bool(item, "durable", what, True),
-                               _bool(item, "auto_delete", what, False), _bool(item, "internal", what, False), args))
+        plan.exchanges.append((vhost, name, type_, durable, auto_delete, internal, args))
     for item in _list(data, "queues"):
         name = _str(item, "name", "queue")
         what = f"queue '{name}'"
@@ -210,12 +222,20 @@ def plan_import(call: Call, data: dict[str, Any], only_vhost: str | None) -> Pla
         args = _args(item, what)
         if item.get("type") in ("quorum", "stream") and "x-queue-type" not in args:
             args = {**args, "x-queue-type": item["type"]}
+        durable, auto_delete = _bool(item, "durable", what, True), _bool(item, "auto_delete", what, False)
+        vh = broker.vhosts.get(vhost)
+        existing_q = vh.queues.get(name) if vh is not None else None
         try:
-            parse_queue_args(args, name, vhost)
+            if existing_q is None:
+                scratch.check_new_queue(name, args)
+            else:
+                assert vh is not None
+                vh._check_equivalent("queue", name, (("durable", durable, existing_q.durable),
+                                                     ("auto_delete", auto_delete, existing_q.auto_delete)),
+                                     args, existing_q.arguments)
         except BrokerError as exc:
             raise bad_request(f"{what}: {exc.text}") from None
-        plan.queues.append((vhost, name, _bool(item, "durable", what, True), _bool(item, "auto_delete", what, False),
-                            args))
+        plan.queues.append((vhost, name, durable, auto_delete, args))
     exchange_names = {(v, n) for v, n, *_ in plan.exchanges}
     queue_names = {(v, n) for v, n, *_ in plan.queues}
     for item in _list(data, "bindings"):
@@ -278,8 +298,6 @@ async def apply_plan(call: Call, plan: Plan) -> None:
 
 
 async def import_(call: Call) -> web.Response:
-    from leveret.http.server import no_content
-
     data = await call.body()
     only_vhost = call.vhost(write=True).name if "vhost" in call.params else None
     plan = plan_import(call, data, only_vhost)

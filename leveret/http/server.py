@@ -26,6 +26,7 @@ from leveret.http import api_admin, api_conns, api_topology, console, definition
 from leveret.http.context import NodeView
 from leveret.http.errors import HttpError, bad_request, not_authorised, not_found
 from leveret.http.rates import RateSampler
+from leveret.http.responses import json_response
 from leveret.http.routing import Router
 
 log = logging.getLogger("leveret.http")
@@ -182,17 +183,3 @@ class ManagementAPI:
             # Not for the console's own requests: the header makes a browser open its login dialog.
             response.headers["WWW-Authenticate"] = REALM
         return response
-
-
-def json_response(data: Any, status: int = 200) -> web.Response:
-    return web.Response(body=json.dumps(data, separators=(",", ":")), status=status,
-                        content_type="application/json")
-
-
-def no_content() -> web.Response:
-    return web.Response(status=204)
-
-
-def created(existed: bool) -> web.Response:
-    """RabbitMQ answers a PUT with 201 when it created the object, 204 when it was there."""
-    return web.Response(status=204 if existed else 201)
