@@ -95,13 +95,13 @@ def start_mgmt(workdir: Path) -> Iterator[Mgmt]:
     try:
         mgmt = Mgmt(f"http://127.0.0.1:{node.management_port}", "guest", "guest", node.url, leveret=True)
         mgmt.node = node
-        _wait_http(mgmt)
+        wait_http(mgmt)
         yield mgmt
     finally:
         node.terminate()
 
 
-def _wait_http(mgmt: Mgmt) -> None:
+def wait_http(mgmt: Mgmt) -> None:
     import time
 
     deadline = time.monotonic() + 30

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import base64
 import binascii
 from typing import TYPE_CHECKING, Any
@@ -85,9 +86,39 @@ def _queues_of(call: Call) -> list[Queue]:
     return [q for vh in vhosts for q in vh.queues.values()]
 
 
+OWNER_COUNTS_TIMEOUT = 5.0
+OWNER_COUNTS_CONCURRENCY = 64
+
+
+async def owner_counts(call: Call, queues: list[Queue]) -> dict[int, tuple[int, int]]:
+    """In a cluster, the owners' (messages, consumers) of the queues other nodes own, by id(queue).
+
+    Asked concurrently (at most OWNER_COUNTS_CONCURRENCY at a time); a queue
+    whose owner does not answer within OWNER_COUNTS_TIMEOUT keeps this node's view.
+    """
+    cluster = call.broker.cluster
+    remote = [q for q in queues if q.remote is not None]
+    if cluster is None or not remote:
+        return {}
+    gate = asyncio.Semaphore(OWNER_COUNTS_CONCURRENCY)
+    found: dict[int, tuple[int, int]] = {}
+
+    async def one(q: Queue) -> None:
+        async with gate:
+            found[id(q)] = await cluster.counts(q)
+
+    try:
+        await asyncio.wait_for(asyncio.gather(*(one(q) for q in remote)), timeout=OWNER_COUNTS_TIMEOUT)
+    except TimeoutError:
+        pass  # what arrived in time is used
+    return found
+
+
 async def queues(call: Call) -> Any:
     node, rates = call.node_name, call.api.rates
-    return listing.apply([queue_json(q, node, rates) for q in _queues_of(call)], call.query)
+    qs = _queues_of(call)
+    counts = await owner_counts(call, qs)
+    return listing.apply([queue_json(q, node, rates, counts.get(id(q))) for q in qs], call.query)
 
 
 def _queue(call: Call, write: bool = False) -> tuple[VirtualHost, Queue]:
@@ -100,7 +131,8 @@ def _queue(call: Call, write: bool = False) -> tuple[VirtualHost, Queue]:
 
 async def queue_get(call: Call) -> dict[str, Any]:
     _, q = _queue(call)
-    return queue_json(q, call.node_name, call.api.rates)
+    counts = await owner_counts(call, [q])
+    return queue_json(q, call.node_name, call.api.rates, counts.get(id(q)))
 
 
 QUEUE_FIELDS = frozenset({"durable", "auto_delete", "arguments", "node", "name", "vhost", "queue_type", "type",
@@ -180,16 +212,23 @@ async def queue_get_messages(call: Call) -> list[dict[str, Any]]:
         raise bad_request(f"encoding must be auto or base64, got {encoding!r}")
     truncate = _int(body, "truncate", None)
     _, q = _queue(call, write=True)
-    if q.remote is not None:
-        raise bad_request(f"queue '{q.name}' is owned by another node; get it there")
+    cluster = call.broker.cluster
+    if q.remote is not None and (cluster is None or ackmode != "ack_requeue_false"):
+        raise bad_request(f"queue '{q.name}' is owned by node {q.remote.owner}: get with ackmode "
+                          "ack_requeue_false here, or ask that node's API")
     requeue = ackmode.endswith("true")
     taken = []
     out = []
     for _ in range(count):
-        qm = q.default.get(no_ack=False)
+        if q.remote is not None and cluster is not None:
+            qm, left = await cluster.get(q, True)  # taken for good at the owner
+        else:
+            qm = q.default.get(no_ack=False)
+            left = len(q.default.ready)
+            if qm is not None:
+                taken.append(qm)
         if qm is None:
             break
-        taken.append(qm)
         payload = qm.message.body
         if truncate is not None:
             payload = payload[:truncate]
@@ -202,7 +241,7 @@ async def queue_get_messages(call: Call) -> list[dict[str, Any]]:
         out.append({
             "payload_bytes": len(qm.message.body), "redelivered": qm.redelivered,
             "exchange": qm.message.exchange, "routing_key": qm.message.routing_key,
-            "message_count": len(q.default.ready), "properties": message_properties_json(qm.message.props),
+            "message_count": left, "properties": message_properties_json(qm.message.props),
             "payload": text if text is not None else base64.b64encode(payload).decode("ascii"),
             "payload_encoding": "string" if text is not None else "base64",
         })

@@ -43,8 +43,14 @@ def queue_counts(q: Queue) -> tuple[int, int, int]:
     return len(ch.ready), ch.unacked, len(ch.consumers)
 
 
-def queue_json(q: Queue, node: str, rates: RateSampler) -> dict[str, Any]:
+def queue_json(q: Queue, node: str, rates: RateSampler,
+               owner_counts: tuple[int, int] | None = None) -> dict[str, Any]:
+    """``owner_counts``: (messages ready, consumers) from the owner of a queue another node owns."""
     ready, unacked, consumers = queue_counts(q)
+    if q.remote is not None:
+        node = q.remote.owner or node
+        if owner_counts is not None:
+            ready, unacked, consumers = owner_counts[0], 0, owner_counts[1]
     s = q.stats
     policy = getattr(q, "policy_name", None)  # set by whatever applies policies, if anything does
     return {
