@@ -71,3 +71,35 @@ def test_queue_owned_elsewhere_shows_the_owners_counts(cluster: Cluster) -> None
     while api(cluster, owner).request("GET", f"/api/queues/%2F/{name}").status != 404:
         assert time.monotonic() < deadline, "the delete did not reach the owner"
         time.sleep(0.2)
+
+
+def test_user_and_vhost_added_on_one_node_log_in_on_the_other(cluster: Cluster) -> None:
+    vhost, user = f"mgmt-vh-{uuid.uuid4().hex[:6]}", f"mgmt-u-{uuid.uuid4().hex[:6]}"
+    n1 = api(cluster, "n1")
+    n1.ok("PUT", f"/api/vhosts/{vhost}", {})
+    n1.ok("PUT", f"/api/users/{user}", {"password": "pw", "tags": "management"})
+    n1.ok("PUT", f"/api/permissions/{vhost}/{user}", {"configure": ".*", "write": ".*", "read": ".*"})
+    url = pika.URLParameters(cluster.url("n2"))
+    login = pika.ConnectionParameters(host=url.host, port=url.port, virtual_host=vhost,
+                                      credentials=pika.PlainCredentials(user, "pw"))
+    deadline = time.monotonic() + 15
+    while True:
+        try:
+            conn = pika.BlockingConnection(login)
+            break
+        except pika.exceptions.AMQPError:
+            assert time.monotonic() < deadline, "n2 never accepted the user made on n1"
+            time.sleep(0.2)
+    ch = conn.channel()
+    ch.queue_declare("in-new-vhost")
+    conn.close()
+    assert any(q["name"] == "in-new-vhost" for q in n1.get(f"/api/queues/{vhost}"))
+    n1.ok("DELETE", f"/api/users/{user}")
+    deadline = time.monotonic() + 15
+    while True:
+        try:
+            pika.BlockingConnection(login).close()
+        except pika.exceptions.AMQPError:
+            break
+        assert time.monotonic() < deadline, "n2 still accepts a user deleted on n1"
+        time.sleep(0.2)

@@ -14,9 +14,8 @@ from aiohttp import web
 
 from core.engine.broker import RABBIT_SHA256, Permission, User
 from core.engine.policy_store import APPLY_TO, PolicyDefinition
-from core.ports.store import UserRecord
 from leveret import __version__
-from leveret.http import listing
+from leveret.http import listing, metadata
 from leveret.http.errors import bad_request, not_found
 from leveret.http.rates import QUEUE_FIELDS, add_stats, stats_json
 from leveret.http.responses import created, json_response, no_content
@@ -210,10 +209,10 @@ async def vhost_put(call: Call) -> web.Response:
     if not name:
         raise bad_request("a vhost name cannot be empty")
     existed = name in call.broker.vhosts
-    vh = call.broker.add_vhost(name)
+    vh = metadata.add_vhost(call.node, name)
     vh.description, vh.tags = description, tags
-    if not existed and call.node.store is not None:
-        await call.node.store.save_vhost(name)
+    if not existed:
+        await metadata.save_vhost(call.node, name)
     return created(existed)
 
 
@@ -228,8 +227,7 @@ async def vhost_delete(call: Call) -> web.Response:
         user.vhosts.discard(vh.name)
         user.permissions.pop(vh.name, None)
         user.topic_permissions.pop(vh.name, None)
-    if call.node.store is not None:
-        await call.node.store.delete_vhost(vh.name)
+    await metadata.delete_vhost(call.node, vh.name)
     return no_content()
 
 
@@ -296,10 +294,7 @@ def user_from_json(name: str, body: dict[str, Any], old: User | None) -> User:
 
 
 async def save_user(call: Call, user: User) -> None:
-    call.broker.users[user.name] = user
-    if call.node.store is not None:
-        await call.node.store.save_user(UserRecord(user.name, user.salt, user.password_hash, list(user.tags),
-                                                   sorted(user.vhosts), user.loopback_only))
+    await metadata.save_user(call.node, user)
 
 
 async def user_put(call: Call) -> web.Response:
@@ -313,9 +308,7 @@ async def user_put(call: Call) -> web.Response:
 
 async def user_delete(call: Call) -> web.Response:
     user = _user(call)
-    del call.broker.users[user.name]
-    if call.node.store is not None:
-        await call.node.store.delete_user(user.name)
+    await metadata.delete_user(call.node, user.name)
     return no_content()
 
 

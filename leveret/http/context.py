@@ -6,6 +6,7 @@ from typing import TYPE_CHECKING, Protocol
 
 if TYPE_CHECKING:
     from amqp_frontend.server import AMQPServer
+    from coordination.etcd import EtcdCluster
     from core.engine.broker import Broker
     from core.ports.store import MessageStore
     from leveret.config import NodeConfig
@@ -16,3 +17,4 @@ class NodeView(Protocol):
     amqp: AMQPServer
     store: MessageStore | None
     config: NodeConfig
+    cluster: EtcdCluster | None

@@ -17,7 +17,7 @@ from core.engine.policy_store import PolicyDefinition
 from core.engine.vhost import VirtualHost
 from core.model.errors import BrokerError
 from leveret import __version__
-from leveret.http import declare
+from leveret.http import declare, metadata
 from leveret.http.api_admin import (
     PRODUCT,
     RABBIT_COMPAT_VERSION,
@@ -261,13 +261,12 @@ def plan_import(call: Call, data: dict[str, Any], only_vhost: str | None) -> Pla
 
 async def apply_plan(call: Call, plan: Plan) -> None:
     broker = call.broker
-    store = call.node.store
     for name, description, tags in plan.vhosts:
         existed = name in broker.vhosts
-        vh = broker.add_vhost(name)
+        vh = metadata.add_vhost(call.node, name)
         vh.description, vh.tags = description, tags
-        if not existed and store is not None:
-            await store.save_vhost(name)
+        if not existed:
+            await metadata.save_vhost(call.node, name)
     changed: dict[str, User] = {u.name: u for u in plan.users}
     for user in plan.users:
         broker.users[user.name] = user
