@@ -201,6 +201,11 @@ def test_bad_input_is_400_with_rabbitmq_body_and_nothing_applied(mgmt: Mgmt) -> 
     assert mgmt.request("GET", "/api/policies/%2F/" + name).status == 404
     reply = mgmt.request("GET", "/api/queues?page=1&use_regex=true&name=(")
     assert reply.status == 400
+    for props in ({"expiration": "soon"}, {"user_id": "someone-else"}, {"delivery_mode": "two"}):
+        reply = mgmt.request("POST", "/api/exchanges/%2F/amq.default/publish",
+                             {"routing_key": name, "payload": "x", "payload_encoding": "string",
+                              "properties": props})
+        assert reply.status == 400 and reply.body["error"] == "bad_request", props
     if mgmt.leveret:
         # Leveret refuses unknown fields (RabbitMQ ignores some of them).
         reply = mgmt.request("PUT", f"/api/queues/%2F/{name}", {"durable": False, "durible": True})

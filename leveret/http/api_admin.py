@@ -277,7 +277,9 @@ def user_from_json(name: str, body: dict[str, Any], old: User | None) -> User:
         if algorithm == RABBIT_SHA256:
             try:
                 return User.from_rabbit_hash(name, password_hash, **kwargs)
-            except (ValueError, binascii.Error) as exc:
+            except binascii.Error:
+                raise bad_request(f"password_hash of user '{name}' is not base64") from None
+            except ValueError as exc:
                 raise bad_request(str(exc)) from None
         if algorithm == "leveret_pbkdf2_sha256":
             try:

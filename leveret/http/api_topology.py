@@ -401,6 +401,13 @@ async def exchange_publish(call: Call) -> dict[str, Any]:
     unknown = sorted(set(props) - {name for _, name, _ in properties.FIELDS})
     if unknown:
         raise bad_request(f"unknown message properties: {', '.join(unknown)}")
+    expiration = props.get("expiration")
+    if expiration is not None and not (isinstance(expiration, (str, int)) and str(expiration).isdigit()):
+        raise bad_request(f"expiration must be a non-negative integer in a string, got {expiration!r}")
+    user_id = props.get("user_id")
+    if user_id is not None and user_id != call.user.name:
+        # As over AMQP: a publisher cannot claim another user's identity.
+        raise bad_request(f"user_id property set to '{user_id}' but authenticated user was '{call.user.name}'")
     try:
         raw = properties.encode(props)
     except (properties.PropertiesError, TypeError, ValueError) as exc:
