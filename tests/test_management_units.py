@@ -95,3 +95,22 @@ def test_binding_properties_key_as_rabbitmq_quotes_it() -> None:
     assert properties_key("a~b", {}) == "a%7Eb"
     with_args = properties_key("k", {"x-match": "all"})
     assert with_args.startswith("k~") and with_args != properties_key("k", {"x-match": "any"})
+
+
+def test_rates_are_the_difference_of_the_last_two_samples(monkeypatch: pytest.MonkeyPatch) -> None:
+    from leveret.http import rates
+
+    clock = [100.0]
+    monkeypatch.setattr(rates.time, "monotonic", lambda: clock[0])
+    broker = Broker()
+    q = broker.vhosts["/"].declare_queue("q", owner=None)
+    sampler = rates.RateSampler(broker)
+    sampler.sample()
+    for _ in range(50):
+        q.enqueue(Message("", "q", properties.EMPTY, b""))
+    clock[0] += 5.0
+    sampler.sample()
+    stats = sampler.queue_stats("/", "q", (q.stats.publish, 0, 0, 0))
+    assert stats["publish"] == 50 and stats["publish_details"] == {"rate": 10.0}
+    assert stats["ack_details"] == {"rate": 0.0}
+    assert sampler.rates(("q", "/", "gone"), 4) == (0.0, 0.0, 0.0, 0.0)
