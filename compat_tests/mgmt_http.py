@@ -29,7 +29,7 @@ MGMT_ENV = "LEVERET_TEST_MGMT_URL"
 class Reply:
     status: int
     body: Any
-    headers: dict[str, str]
+    headers: dict[str, str]  # names in lower case
 
 
 class Mgmt:
@@ -57,9 +57,9 @@ class Mgmt:
             "Authorization": f"Basic {token}", "Content-Type": "application/json", **(headers or {})})
         try:
             with urllib.request.urlopen(req, timeout=60) as resp:
-                status, text, hdrs = resp.status, resp.read(), dict(resp.headers)
+                status, text, hdrs = resp.status, resp.read(), {k.lower(): v for k, v in resp.headers.items()}
         except urllib.error.HTTPError as exc:
-            status, text, hdrs = exc.code, exc.read(), dict(exc.headers)
+            status, text, hdrs = exc.code, exc.read(), {k.lower(): v for k, v in exc.headers.items()}
         try:
             parsed = json.loads(text) if text.strip() else None
         except ValueError:

@@ -213,6 +213,10 @@ async def vhost_put(call: Call) -> web.Response:
     vh.description, vh.tags = description, tags
     if not existed:
         await metadata.save_vhost(call.node, name)
+        # As RabbitMQ does: whoever creates a vhost over HTTP gets full permissions in it.
+        call.user.vhosts.add(name)
+        call.user.permissions[name] = Permission()
+        await save_user(call, call.user)
     return created(existed)
 
 

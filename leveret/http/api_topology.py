@@ -223,9 +223,12 @@ async def queue_get_messages(call: Call) -> list[dict[str, Any]]:
         if q.remote is not None and cluster is not None:
             qm, left = await cluster.get(q, True)  # taken for good at the owner
         else:
-            qm = q.default.get(no_ack=False)
+            # ack_requeue_false is a get without ack, as RabbitMQ does it (its get_no_ack):
+            # gone at once, counted in deliver_get and never in ack.
+            no_ack = ackmode == "ack_requeue_false"
+            qm = q.default.get(no_ack=no_ack)
             left = len(q.default.ready)
-            if qm is not None:
+            if qm is not None and not no_ack:
                 taken.append(qm)
         if qm is None:
             break
@@ -247,11 +250,8 @@ async def queue_get_messages(call: Call) -> list[dict[str, Any]]:
         })
     if requeue:
         q.default.requeue([(qm, None) for qm in taken])
-    elif ackmode.startswith("reject"):
-        q.default.discard([(qm, None) for qm in taken])  # dead-lettered where the queue says so
-    else:
-        for qm in taken:
-            q.default.settle(qm, None)
+    elif taken:  # reject_requeue_false: dead-lettered where the queue says so
+        q.default.discard([(qm, None) for qm in taken])
     # The message_count each item reports is what was left after it, as RabbitMQ's basic.get gives.
     return out
 

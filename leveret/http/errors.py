@@ -23,4 +23,4 @@ def not_found(reason: str = "Not Found") -> HttpError:
 
 
 def not_authorised(reason: str = "Not management user") -> HttpError:
-    return HttpError(401, "not_authorised", reason)
+    return HttpError(401, "not_authorized", reason)  # RabbitMQ spells it so in its bodies
