@@ -13,8 +13,8 @@ from pathlib import Path
 import pika
 import pytest
 
-from compat_tests.mgmt_http import Mgmt, leveret_only, q, start_mgmt
-from compat_tests.node_process import REPO_ROOT, _python
+from compat_tests.mgmt_http import MGMT_ENV, Mgmt, leveret_only, q, start_mgmt, wait_http
+from compat_tests.node_process import REPO_ROOT, NodeProcess, _python
 
 RABBITMQADMIN = "/usr/bin/rabbitmqadmin"
 
@@ -179,3 +179,33 @@ def test_rabbitmqadmin_unchanged(mgmt: Mgmt, tmp_path: Path) -> None:
             conn.process_data_events(time_limit=0.5)
     admin("delete", "queue", f"name={name}")
     admin("delete", "exchange", f"name={x}")
+
+
+@pytest.mark.skipif(not os.environ.get(MGMT_ENV), reason=f"needs a real RabbitMQ: set {MGMT_ENV}")
+def test_leveret_export_imports_into_rabbitmq(tmp_path: Path) -> None:
+    """A Leveret node's definitions, imported into the RabbitMQ of LEVERET_TEST_MGMT_URL: users log in there."""
+    rabbit = next(start_mgmt(tmp_path / "unused"))  # the external RabbitMQ
+    node = NodeProcess(tmp_path / "data", tmp_path / "logs")
+    node.start()
+    try:
+        leveret = Mgmt(f"http://127.0.0.1:{node.management_port}", "guest", "guest", node.url, leveret=True)
+        wait_http(leveret)
+        vhost, user = f"from-leveret-{uuid.uuid4().hex[:6]}", f"lev-{uuid.uuid4().hex[:6]}"
+        leveret.ok("PUT", f"/api/vhosts/{vhost}", {})
+        leveret.ok("PUT", f"/api/users/{user}", {"password": "moved", "tags": "management"})
+        leveret.ok("PUT", f"/api/permissions/{vhost}/{user}", {"configure": ".*", "write": ".*", "read": ".*"})
+        leveret.ok("PUT", f"/api/queues/{vhost}/work", {"durable": True, "arguments": {}})
+        exported = leveret.get("/api/definitions")
+    finally:
+        node.terminate()
+    rabbit.ok("POST", "/api/definitions", exported)
+    try:
+        assert rabbit.get(f"/api/queues/{q(vhost)}/work")["name"] == "work"
+        params = pika.URLParameters(rabbit.amqp_url)
+        pika.BlockingConnection(pika.ConnectionParameters(
+            host=params.host, port=params.port, virtual_host=vhost,
+            credentials=pika.PlainCredentials(user, "moved"))).close()
+        assert rabbit.get("/api/whoami")["name"] == rabbit.username  # its own admin still logs in
+    finally:
+        rabbit.request("DELETE", f"/api/vhosts/{q(vhost)}")
+        rabbit.request("DELETE", f"/api/users/{q(user)}")

@@ -65,6 +65,12 @@ class User:
         return cls(name, salt, _hash(password, salt), **kwargs)  # type: ignore[arg-type]
 
     @classmethod
+    def create_rabbit(cls, name: str, password: str, **kwargs: object) -> User:
+        """A user whose hash RabbitMQ can check too (rabbit_password_hashing_sha256), so it exports."""
+        salt = os.urandom(RABBIT_SALT_BYTES)
+        return cls(name, salt, _hash(password, salt), **kwargs)  # type: ignore[arg-type]
+
+    @classmethod
     def from_rabbit_hash(cls, name: str, password_hash: str, **kwargs: object) -> User:
         """A user from RabbitMQ's definitions: ``password_hash`` is base64(salt + SHA-256(salt + password))."""
         raw = base64.b64decode(password_hash, validate=True)

@@ -268,7 +268,8 @@ def user_from_json(name: str, body: dict[str, Any], old: User | None) -> User:
     if "password" in body:
         if not isinstance(body["password"], str):
             raise bad_request("password must be a string")
-        return User.create(name, body["password"], **kwargs)
+        # Made the RabbitMQ way, so /api/definitions carries it to a RabbitMQ (docs/MANAGEMENT.md).
+        return User.create_rabbit(name, body["password"], **kwargs)
     if "password_hash" in body:
         algorithm = body.get("hashing_algorithm") or RABBIT_SHA256
         password_hash = body["password_hash"]

@@ -56,18 +56,27 @@ async def export(call: Call) -> Any:
         "product_name": PRODUCT, "product_version": __version__,
     }
     if whole:
-        out["users"] = [user_json(u) for u in call.broker.users.values()]
+        # Users whose hash RabbitMQ cannot check (made by ``leveret users add`` or the default
+        # user) go under leveret_* keys, which RabbitMQ ignores: imported there they would
+        # replace its own users (guest) with ones nobody can log in as.
+        portable = {u.name for u in call.broker.users.values() if u.rabbit_hash() is not None}
+        out["users"] = [user_json(u) for u in call.broker.users.values() if u.name in portable]
+        out["leveret_users"] = [user_json(u) for u in call.broker.users.values() if u.name not in portable]
         out["vhosts"] = [{"name": vh.name, "description": vh.description, "tags": list(vh.tags),
                           "metadata": {"description": vh.description, "tags": list(vh.tags)}, "limits": []}
                          for vh in vhosts]
-        out["permissions"] = [
+        permissions = [
             {"user": u.name, "vhost": v, "configure": p.configure, "write": p.write, "read": p.read}
             for u in call.broker.users.values() for v in sorted(u.vhosts) if v in names
             for p in (u.permission(v) or Permission(),)]
-        out["topic_permissions"] = [
+        topic_permissions = [
             {"user": u.name, "vhost": v, "exchange": x, "write": w, "read": r}
             for u in call.broker.users.values() for v, per in u.topic_permissions.items() if v in names
             for x, (w, r) in per.items()]
+        out["permissions"] = [p for p in permissions if p["user"] in portable]
+        out["topic_permissions"] = [p for p in topic_permissions if p["user"] in portable]
+        out["leveret_permissions"] = [p for p in permissions if p["user"] not in portable]
+        out["leveret_topic_permissions"] = [p for p in topic_permissions if p["user"] not in portable]
         out["global_parameters"] = [{"name": "cluster_name", "value": call.node.config.cluster}]
     out["parameters"] = [{"vhost": vh.name, "component": c, "name": n, "value": v}
                          for vh in vhosts for (c, n), v in vh.parameters.items()]
@@ -152,21 +161,21 @@ def plan_import(call: Call, data: dict[str, Any], only_vhost: str | None) -> Pla
                                 _tags(item.get("tags", meta.get("tags")), f"vhost '{name}' tags")))
             vhost_names.add(name)
         users: dict[str, User] = {}
-        for item in _list(data, "users"):
+        for item in _list(data, "users") + _list(data, "leveret_users"):
             name = _str(item, "name", "user")
             body = {k: v for k, v in item.items() if k in ("password", "password_hash", "hashing_algorithm", "tags")}
             if "password_hash" not in body and "password" not in body:
                 raise bad_request(f"user '{name}': password_hash is required")
             users[name] = user_from_json(name, body, broker.users.get(name))
         plan.users = list(users.values())
-        for item in _list(data, "permissions"):
+        for item in _list(data, "permissions") + _list(data, "leveret_permissions"):
             user, vhost = _str(item, "user", "permission"), _str(item, "vhost", "permission")
             if user not in users and user not in broker.users:
                 raise bad_request(f"permission: no user '{user}'")
             if vhost not in vhost_names:
                 raise bad_request(f"permission: no vhost '{vhost}'")
             plan.permissions.append((user, vhost, permission_from_json(item)))
-        for item in _list(data, "topic_permissions"):
+        for item in _list(data, "topic_permissions") + _list(data, "leveret_topic_permissions"):
             user, vhost = _str(item, "user", "topic permission"), _str(item, "vhost", "topic permission")
             if user not in users and user not in broker.users:
                 raise bad_request(f"topic permission: no user '{user}'")
