@@ -7,11 +7,13 @@ import hashlib
 import time
 import uuid
 from collections.abc import Iterator
+from pathlib import Path
 
 import pika
 import pytest
 
-from compat_tests.mgmt_http import Mgmt, leveret_only, q, start_mgmt
+from compat_tests.mgmt_http import Mgmt, leveret_only, q, start_mgmt, wait_http
+from compat_tests.node_process import NodeProcess
 
 
 @pytest.fixture(scope="module")
@@ -414,3 +416,23 @@ def test_leveret_export_keeps_users_rabbitmq_cannot_check_apart(mgmt: Mgmt) -> N
         "leveret_pbkdf2_sha256"
     assert all(p["user"] != "guest" for p in exported["permissions"])
     assert any(p["user"] == "guest" for p in exported["leveret_permissions"])
+
+
+def test_alarm_health_checks_fail_while_the_memory_alarm_is_set(tmp_path: Path) -> None:
+    """A node with a tiny watermark: once queued bodies pass it, the alarm checks answer 503."""
+    node = NodeProcess(tmp_path / "data", tmp_path / "logs", ["--memory-high-watermark", "4096"])
+    node.start()
+    try:
+        mgmt = Mgmt(f"http://127.0.0.1:{node.management_port}", "guest", "guest", node.url, leveret=True)
+        wait_http(mgmt)
+        assert mgmt.get("/api/health/checks/alarms") == {"status": "ok"}
+        mgmt.ok("PUT", "/api/queues/%2F/fill", {"durable": False})
+        mgmt.ok("POST", "/api/exchanges/%2F/amq.default/publish",
+                {"routing_key": "fill", "payload": "x" * 10_000, "payload_encoding": "string", "properties": {}})
+        reply = wait_for(lambda: (r := mgmt.request("GET", "/api/health/checks/local-alarms")).status == 503 and r)
+        assert reply.body["status"] == "failed"
+        assert mgmt.get("/api/nodes")[0]["mem_alarm"] is True
+        mgmt.ok("DELETE", "/api/queues/%2F/fill/contents")
+        wait_for(lambda: mgmt.request("GET", "/api/health/checks/alarms").status == 200)
+    finally:
+        node.terminate()
