@@ -7,6 +7,7 @@ import datetime
 import decimal
 import hashlib
 import json
+import time
 from typing import TYPE_CHECKING, Any
 from urllib.parse import quote, quote_plus
 
@@ -146,8 +147,7 @@ def connection_json(proto: AMQPProtocol, node: str) -> dict[str, Any]:
 
 
 def _wall_clock_of(monotonic_at: float) -> float:
-    import time
-
+    """A time.monotonic() instant (the connection's clock) as Unix time."""
     return time.time() - (time.monotonic() - monotonic_at)
 
 
