@@ -115,9 +115,8 @@ class ManagementAPI:
         await self._runner.setup()
         self._site = web.TCPSite(self._runner, host, port, reuse_address=True)
         await self._site.start()
-        server = self._site._server
-        sockets = getattr(server, "sockets", None) or []
-        self.port = int(sockets[0].getsockname()[1]) if sockets else port
+        addresses = self._runner.addresses
+        self.port = int(addresses[0][1]) if addresses else port
         self.rates.start()
         log.info("management API listening", extra={"host": host, "port": self.port})
 
