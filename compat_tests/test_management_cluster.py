@@ -51,6 +51,7 @@ def test_queue_owned_elsewhere_shows_the_owners_counts(cluster: Cluster) -> None
         assert time.monotonic() < deadline, f"node {other} never showed the owner's count: {reply}"
         time.sleep(0.2)
     assert reply.body["node"] == owner
+    assert sorted(n["name"] for n in api(cluster, other).get("/api/nodes")) == ["n1", "n2"]
     listed = {q["name"]: q for q in api(cluster, other).get("/api/queues/%2F")}
     assert listed[name]["messages"] == 3 and listed[name]["node"] == owner
     # Publish, get and purge through the node that does not own it.

@@ -151,14 +151,32 @@ def _node_json(call: Call) -> dict[str, Any]:
     }
 
 
+def _peer_json(call: Call, info: Any) -> dict[str, Any]:
+    """Another member of the cluster, as etcd knows it (its own figures are on its own API)."""
+    return {"name": info.id, "type": "disc", "running": True, "being_drained": info.draining,
+            "uptime": int((time.time() - info.started) * 1000) if info.started else 0,
+            "region": info.region, "owned_queues": info.queues, "amqp_address": info.amqp,
+            "rates_mode": "basic", "partitions": []}
+
+
+def _all_nodes(call: Call) -> list[dict[str, Any]]:
+    out = [_node_json(call)]
+    cluster = call.node.cluster
+    if cluster is not None:
+        out.extend(_peer_json(call, info) for name, info in sorted(cluster.mirror.nodes.items())
+                   if name != call.node_name)
+    return out
+
+
 async def nodes(call: Call) -> Any:
-    return listing.apply([_node_json(call)], call.query)
+    return listing.apply(_all_nodes(call), call.query)
 
 
 async def node_one(call: Call) -> dict[str, Any]:
-    if call.params["node"] != call.node_name:
-        raise not_found(f"node '{call.params['node']}' not found")
-    return _node_json(call)
+    for node in _all_nodes(call):
+        if node["name"] == call.params["node"]:
+            return node
+    raise not_found(f"node '{call.params['node']}' not found")
 
 
 async def whoami(call: Call) -> dict[str, Any]:
