@@ -85,8 +85,13 @@ def test_vhost_user_permissions_and_amqp_login(mgmt: Mgmt) -> None:
         pika.BlockingConnection(amqp_params(mgmt, user, "s3cret", vhost))
     mgmt.ok("DELETE", f"/api/users/{q(user)}")
     assert mgmt.request("GET", f"/api/users/{q(user)}").status == 404
+    guest = pika.BlockingConnection(amqp_params(mgmt, mgmt.username, mgmt.password, vhost))
     mgmt.ok("DELETE", f"/api/vhosts/{q(vhost)}")
     assert mgmt.request("GET", f"/api/vhosts/{q(vhost)}").status == 404
+    with pytest.raises(pika.exceptions.ConnectionClosed) as closed:  # its connections go with it
+        for _ in range(20):
+            guest.process_data_events(time_limit=0.5)
+    assert closed.value.reply_code == 320
 
 
 def test_queue_lifecycle_counts_and_stats(mgmt: Mgmt) -> None:

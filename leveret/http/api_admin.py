@@ -242,6 +242,12 @@ async def vhost_delete(call: Call) -> web.Response:
     from leveret.http import declare
 
     vh = call.vhost()
+    # As RabbitMQ does: the vhost's connections are closed first, so none works on in a vhost that is gone.
+    for proto in list(call.node.amqp.connections):
+        conn = proto.conn
+        if conn is not None and conn.vhost is vh:
+            conn.close(320, f"CONNECTION_FORCED - vhost '{vh.name}' is deleted")
+            proto._flush()
     for name in list(vh.queues):
         await declare.delete_queue(call.broker, vh, name, False, False)
     call.broker.vhosts.pop(vh.name, None)
