@@ -6,7 +6,6 @@ import bisect
 import hashlib
 from typing import TYPE_CHECKING, Any, Union
 
-from core.engine.stats import ExchangeStats
 from core.engine.topic import topic_matches
 from core.model import properties
 from core.model.errors import CommandInvalid, PreconditionFailed
@@ -69,7 +68,7 @@ class Exchange:
         self.arguments = dict(arguments or {})
         self.bindings: dict[tuple[Any, ...], Binding] = {}
         self.deleted = False
-        self.stats = ExchangeStats()  # read by the management API (core/engine/stats.py)
+        self.published_in = 0  # messages routed through it: read by the management API (core/engine/stats.py)
 
     def add_binding(self, binding: Binding) -> bool:
         """Add; False when an identical binding already exists."""

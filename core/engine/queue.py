@@ -16,7 +16,6 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 from core.engine.queue_args import QueueArgs
 from core.engine.ready import PriorityReady, requeue_into, take_offsets
-from core.engine.stats import QueueStats
 from core.model.clock import AsyncioScheduler, Scheduler, TimerHandle
 from core.model.errors import AccessRefused
 from core.model.message import Message, QueuedMessage
@@ -91,6 +90,10 @@ class QueueChannel:
         self._next_in: dict[int, int] = {}
         self.unacked = 0
         self.ready_bytes = 0
+        # Counters the management API reads (core/engine/stats.py): plain ints, one += each.
+        self.delivered = 0  # deliveries and basic.get answers
+        self.acked = 0  # deliveries settled (acked, or rejected without requeue)
+        self.redelivered = 0  # of those, deliveries of a message delivered before
         self._dispatching = False
         self._expiry_timer: TimerHandle | None = None
         self._expiry_at = 0.0
@@ -209,10 +212,9 @@ class QueueChannel:
     def _hand_over(self, c: Consumer, qm: QueuedMessage) -> None:
         """Deliver ``qm`` to ``c``: unacked until settled, or gone at once for no-ack."""
         qm.delivery_count += 1
-        stats = self.queue.stats
-        stats.deliver_get += 1
+        self.delivered += 1
         if qm.redelivered:
-            stats.redeliver += 1
+            self.redelivered += 1
         if not c.no_ack:
             self.unacked += 1
             c.unacked += 1
@@ -230,10 +232,9 @@ class QueueChannel:
         qm = self.ready.popleft()
         self.ready_bytes -= len(qm.message.body)
         qm.delivery_count += 1
-        stats = self.queue.stats
-        stats.deliver_get += 1
+        self.delivered += 1
         if qm.redelivered:
-            stats.redeliver += 1
+            self.redelivered += 1
         if not no_ack:
             self.unacked += 1
         elif qm.persisted:
@@ -284,7 +285,7 @@ class QueueChannel:
     def settle(self, qm: QueuedMessage, consumer: Consumer | None) -> None:
         """An unacked delivery is done with (acked, or rejected without requeue)."""
         self.unacked -= 1
-        self.queue.stats.ack += 1
+        self.acked += 1
         if consumer is not None:
             consumer.unacked -= 1
         if qm.persisted:
@@ -450,7 +451,7 @@ class Queue:
         # Offsets retention removed while they may be delivered and unacked: such a
         # message is dropped instead of requeued (drop_offsets).
         self.retained: set[int] = set()
-        self.stats = QueueStats()  # read by the management API (core/engine/stats.py)
+        self.published = 0  # messages enqueued: a counter the management API reads (core/engine/stats.py)
         self.touch()
 
     @property
@@ -484,7 +485,7 @@ class Queue:
         offset = self.next_offset
         self.next_offset = offset + 1
         qm = QueuedMessage(message, offset)
-        self.stats.publish += 1
+        self.published += 1
         if self._ttl_ms is not None or message.summary.expiration is not None:
             qm.expires_at = self._expiry_of(message)
         if self.storage is not None and message.summary.delivery_mode == 2:
@@ -514,7 +515,7 @@ class Queue:
                 storage.append(qm)
             qms.append(qm)
         self.next_offset = offset
-        self.stats.publish += len(qms)
+        self.published += len(qms)
         self.default.push_many(qms)
         return [True] * len(qms)
 

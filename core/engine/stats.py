@@ -1,28 +1,33 @@
-"""Message counters of queues and exchanges, read by the management API at request time.
+"""RabbitMQ's ``message_stats`` counters of a queue or exchange, read at request time.
 
-Plain integer attributes on a slotted object created once per queue/exchange:
-the hot path only does ``stats.x += 1`` (no allocation, no lock, no call).
-Rates are not kept here: the HTTP layer samples these counters
-(leveret/http/rates.py) and derives ``*_details.rate`` from two samples.
+The engine keeps plain integer attributes on the objects the hot path
+already touches (``Queue.published``; ``QueueChannel.delivered``, ``redelivered``, ``acked``;
+``Exchange.published_in``), one ``+= 1`` each, no allocation.
+Reading them here is the slow side: sums over a queue's channels. Rates are
+kept by the management API (leveret/http/rates.py), from two samples.
 """
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
 
-class QueueStats:
-    """RabbitMQ's queue ``message_stats`` counters (totals since the queue was created)."""
+if TYPE_CHECKING:
+    from core.engine.exchange import Exchange
+    from core.engine.queue import Queue
 
-    __slots__ = ("publish", "deliver_get", "ack", "redeliver")
-
-    def __init__(self) -> None:
-        self.publish = 0  # messages enqueued (routed here and accepted)
-        self.deliver_get = 0  # deliveries to consumers plus basic.get answers
-        self.ack = 0  # deliveries settled (acked, or rejected without requeue)
-        self.redeliver = 0  # deliveries of a message that had been delivered before
+QUEUE_FIELDS = ("publish", "deliver_get", "ack", "redeliver")
 
 
-class ExchangeStats:
-    __slots__ = ("publish_in",)
+def queue_counters(q: Queue) -> tuple[int, int, int, int]:
+    """(publish, deliver_get, ack, redeliver) since the queue was made on this node."""
+    delivered = acked = redelivered = 0
+    for ch in q.channels:
+        delivered += ch.delivered
+        acked += ch.acked
+        redelivered += ch.redelivered
+    return q.published, delivered, acked, redelivered
 
-    def __init__(self) -> None:
-        self.publish_in = 0  # messages published to this exchange
+
+def exchange_counters(x: Exchange) -> tuple[int]:
+    """(publish_in,)"""
+    return (x.published_in,)

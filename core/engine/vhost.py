@@ -378,7 +378,7 @@ class VirtualHost:
         if exchange is None:
             q = self.queues.get(rk)
             return [q] if q is not None else []
-        exchange.stats.publish_in += 1
+        exchange.published_in += 1
         dests = exchange.route(rk, message)
         if not dests:
             return self._alternate(exchange, message)

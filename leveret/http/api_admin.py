@@ -14,10 +14,11 @@ from aiohttp import web
 
 from core.engine.broker import RABBIT_SHA256, Permission, User
 from core.engine.policy_store import APPLY_TO, PolicyDefinition
+from core.engine.stats import QUEUE_FIELDS, queue_counters
 from leveret import __version__
 from leveret.http import listing, metadata
 from leveret.http.errors import bad_request, not_found
-from leveret.http.rates import QUEUE_FIELDS, add_stats, stats_json
+from leveret.http.rates import add_stats, stats_json
 from leveret.http.responses import created, json_response, no_content
 from leveret.http.views import queue_counts, user_json
 
@@ -85,8 +86,7 @@ def _totals(vhosts: list[VirtualHost], call: Call) -> tuple[dict[str, int], dict
             ready += r
             unacked += u
             consumers += c
-            s = q.stats
-            add_stats(counts, (s.publish, s.deliver_get, s.ack, s.redeliver))  # type: ignore[arg-type]
+            add_stats(counts, queue_counters(q))  # type: ignore[arg-type]
             add_stats(rates, call.api.rates.rates(("q", vh.name, q.name), 4))
     totals = {"messages": ready + unacked, "messages_ready": ready, "messages_unacknowledged": unacked}
     stats = stats_json(QUEUE_FIELDS, tuple(int(c) for c in counts), tuple(round(r, 1) for r in rates))

@@ -15,9 +15,9 @@ import time
 from typing import Any
 
 from core.engine.broker import Broker
+from core.engine.stats import QUEUE_FIELDS, exchange_counters, queue_counters
 
 INTERVAL = 5.0
-QUEUE_FIELDS = ("publish", "deliver_get", "ack", "redeliver")
 EXCHANGE_FIELDS = ("publish_in",)
 
 Key = tuple[str, ...]
@@ -50,10 +50,9 @@ class RateSampler:
         snap: dict[Key, tuple[int, ...]] = {}
         for vh in self.broker.vhosts.values():
             for q in vh.queues.values():
-                s = q.stats
-                snap[("q", vh.name, q.name)] = (s.publish, s.deliver_get, s.ack, s.redeliver)
+                snap[("q", vh.name, q.name)] = queue_counters(q)
             for x in vh.exchanges.values():
-                snap[("x", vh.name, x.name)] = (x.stats.publish_in,)
+                snap[("x", vh.name, x.name)] = exchange_counters(x)
         self._prev, self._last = self._last, (time.monotonic(), snap)
 
     def rates(self, key: Key, width: int) -> tuple[float, ...]:

@@ -13,6 +13,7 @@ from urllib.parse import quote, quote_plus
 
 from core.engine.exchange import Binding, Exchange
 from core.engine.queue import Queue
+from core.engine.stats import exchange_counters, queue_counters
 from core.engine.stream import StreamQueue
 
 if TYPE_CHECKING:
@@ -52,7 +53,6 @@ def queue_json(q: Queue, node: str, rates: RateSampler,
         node = q.remote.owner or node
         if owner_counts is not None:
             ready, unacked, consumers = owner_counts[0], 0, owner_counts[1]
-    s = q.stats
     policy = getattr(q, "policy_name", None)  # set by whatever applies policies, if anything does
     return {
         "name": q.name, "vhost": q.vhost, "durable": q.durable, "auto_delete": q.auto_delete,
@@ -61,7 +61,7 @@ def queue_json(q: Queue, node: str, rates: RateSampler,
         "messages": ready + unacked, "messages_ready": ready, "messages_unacknowledged": unacked,
         "message_bytes_ready": q.default.ready_bytes, "consumers": consumers,
         "policy": policy, "exclusive_consumer_tag": None,
-        "message_stats": rates.queue_stats(q.vhost, q.name, (s.publish, s.deliver_get, s.ack, s.redeliver)),
+        "message_stats": rates.queue_stats(q.vhost, q.name, queue_counters(q)),
     }
 
 
@@ -72,7 +72,7 @@ def exchange_json(vhost: str, x: Exchange | None, rates: RateSampler) -> dict[st
     return {
         "name": x.name, "vhost": vhost, "type": x.type, "durable": x.durable, "auto_delete": x.auto_delete,
         "internal": x.internal, "arguments": jsonable(x.arguments), "user_who_performed_action": "",
-        "message_stats": rates.exchange_stats(vhost, x.name, (x.stats.publish_in,)),
+        "message_stats": rates.exchange_stats(vhost, x.name, exchange_counters(x)),
     }
 
 
