@@ -79,6 +79,7 @@ class ClusterNode(NodeProcess):
             "--advertise-host", "127.0.0.1",
             "--amqp-port", str(self.amqp_port),
             "--grpc-port", str(self.grpc_port),
+            "--management-port", str(self.management_port),
             "--data-dir", str(self.data_dir),
             "--log-format", "json",
             "--store", "postgres",

@@ -79,6 +79,8 @@ def amqp_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
         str(amqp_port),
         "--grpc-port",
         str(grpc_port),
+        "--management-port",
+        "0",
         "--data-dir",
         str(data_dir),
     ]

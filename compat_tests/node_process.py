@@ -44,12 +44,15 @@ def node_env() -> dict[str, str]:
     return {k: v for k, v in os.environ.items() if not k.startswith("LEVERET_")}
 
 
-def serve_command(amqp_port: int, grpc_port: int, data_dir: Path, store_args: Sequence[str]) -> list[str]:
+def serve_command(amqp_port: int, grpc_port: int, data_dir: Path, store_args: Sequence[str],
+                  management_port: int = 0) -> list[str]:
+    """``leveret serve`` on these ports; the management API only when given a port (never the default 15672)."""
     return [
         _python(), "-m", "leveret", "serve",
         "--bind", "127.0.0.1",
         "--amqp-port", str(amqp_port),
         "--grpc-port", str(grpc_port),
+        "--management-port", str(management_port),
         "--data-dir", str(data_dir),
         "--log-format", "json",
         *store_args,
@@ -66,6 +69,7 @@ class NodeProcess:
         self.proc: subprocess.Popen[bytes] | None = None
         self.amqp_port = 0
         self.grpc_port = 0
+        self.management_port = 0
         self.starts = 0
         self.stderr_path = log_dir / "node-0.stderr"
 
@@ -81,13 +85,13 @@ class NodeProcess:
     name = "leveret node"
 
     def command(self) -> list[str]:
-        return serve_command(self.amqp_port, self.grpc_port, self.data_dir, self.store_args)
+        return serve_command(self.amqp_port, self.grpc_port, self.data_dir, self.store_args, self.management_port)
 
     def spawn(self) -> None:
         """Start the process on fresh ports without waiting for it (see wait_ready)."""
         assert self.proc is None or self.proc.poll() is not None, f"{self.name} already running"
         self.starts += 1
-        self.amqp_port, self.grpc_port = free_ports(2)
+        self.amqp_port, self.grpc_port, self.management_port = free_ports(3)
         self.log_dir.mkdir(parents=True, exist_ok=True)
         self.stderr_path = self.log_dir / f"node-{self.starts}.stderr"
         with open(self.log_dir / f"node-{self.starts}.stdout", "wb") as out, open(self.stderr_path, "wb") as err:

@@ -55,12 +55,21 @@ def build_parser() -> argparse.ArgumentParser:
     from leveret import tls_cli
 
     tls_cli.add_parser(sub)
+    from leveret import ctl
+
+    ctl.add_parser(sub)
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
-    args = parser.parse_args(argv)
+    from leveret.ctl import _hoist_options
+
+    args = parser.parse_args(_hoist_options(list(sys.argv[1:] if argv is None else argv)))
+    if args.command == "ctl":
+        from leveret import ctl
+
+        return ctl.main(args)
     if args.command == "retention":
         from leveret import retention
 

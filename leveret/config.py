@@ -14,6 +14,7 @@ class NodeConfig:
     bind: str = "127.0.0.1"
     amqp_port: int = 5672
     grpc_port: int = 50051
+    management_port: int = 15672
     data_dir: str = "./leveret-data"
     node_id: str = ""
     log_level: str = "info"
@@ -69,6 +70,7 @@ HELP = {
     "bind": "address the listeners bind to",
     "amqp_port": "AMQP 0-9-1 port",
     "grpc_port": "native gRPC API port (see docs/GRPC.md)",
+    "management_port": "management HTTP API and web console port, RabbitMQ's (docs/MANAGEMENT.md); 0 disables it",
     "data_dir": "directory of the embedded store",
     "node_id": "this node's name in logs and the cluster (default leveret@<hostname>)",
     "log_level": "debug, info, warning or error",

@@ -32,6 +32,7 @@ if TYPE_CHECKING:
     from core.cluster.auth import PeerAuth
     from core.engine.broker import User
     from leveret.cluster_server import ClusterServer
+    from leveret.http.server import ManagementAPI
 
 log = logging.getLogger("leveret.node")
 
@@ -71,6 +72,7 @@ class Node:
         self._grpc_renewed: object = None  # a gRPC certificate configuration waiting for the next handshake
         self._grpc_current: Callable[[], object] | None = None
         self.broker.on_user_rehashed.append(self._save_rehashed)
+        self.management: ManagementAPI | None = None
         StreamQueue.memory_limit = config.stream_memory_bytes
 
     def _save_rehashed(self, user: User) -> None:
@@ -221,6 +223,7 @@ class Node:
             await self._start_amqp()
             await self.grpc.start(self.config.bind, self.config.grpc_port, self._grpc_credentials())
         self._monitor = asyncio.create_task(self._watch_memory())
+        await self._start_management()
         log.info(
             "node started",
             extra={
@@ -249,6 +252,23 @@ class Node:
                 self._grpc_renewed = self._grpc_current()
             except OSError as exc:
                 log.error("gRPC certificate reload failed", extra={"error": str(exc)})
+
+    async def _start_management(self) -> None:
+        if not self.config.management_port:
+            return
+        from leveret.http.server import ManagementAPI
+
+        api = ManagementAPI(self)
+        try:
+            await api.start(self.config.bind, self.config.management_port)
+        except OSError as exc:
+            # The broker itself is up; an operator sees this line and the missing
+            # port-listener check rather than a node that will not start.
+            log.error("management API not started", extra={
+                "host": self.config.bind, "port": self.config.management_port, "error": exc.strerror or str(exc)})
+            await api.stop()
+            return
+        self.management = api
 
     def watermark_bytes(self) -> int:
         mark = self.config.memory_high_watermark
@@ -283,6 +303,8 @@ class Node:
     async def stop(self) -> None:
         log.info("node stopping", extra={"node": self.broker.node_id, "connections": len(self.amqp.connections)})
         self._monitor.cancel()
+        if self.management is not None:
+            await self.management.stop()
         if self.cluster is not None:
             # Hand our queues to the other nodes first, while we still serve them.
             await self.cluster.stop(handover=True)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import base64
+import hashlib
 import ipaddress
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
@@ -21,6 +23,21 @@ if TYPE_CHECKING:
     from core.ports.coordinator import Coordinator
 
 
+# RabbitMQ's password_hash is base64(4-byte salt + digest): the salt's length tells the kind
+# apart (core/engine/passwords.py), so the store needs no new column.
+RABBIT_SALT_BYTES = passwords.RABBIT_SALT_BYTES
+RABBIT_SHA256 = "rabbit_password_hashing_sha256"
+
+
+@dataclass(frozen=True)
+class Permission:
+    """RabbitMQ's configure/write/read regular expressions of a user in one vhost."""
+
+    configure: str = ".*"
+    write: str = ".*"
+    read: str = ".*"
+
+
 @dataclass
 class User:
     name: str
@@ -29,14 +46,42 @@ class User:
     tags: tuple[str, ...] = ()
     vhosts: set[str] = field(default_factory=set)  # empty: no vhost at all
     loopback_only: bool = False
+    # The regexes set with the management API (a vhost in ``vhosts`` without an entry
+    # here has ".*" for all three); topic permissions: vhost -> exchange -> (write, read).
+    permissions: dict[str, Permission] = field(default_factory=dict)
+    topic_permissions: dict[str, dict[str, tuple[str, str]]] = field(default_factory=dict)
 
     @classmethod
     def create(cls, name: str, password: str, **kwargs: object) -> User:
         salt, record = passwords.new_record(password)
         return cls(name, salt, record, **kwargs)  # type: ignore[arg-type]
 
+    @classmethod
+    def from_rabbit_hash(cls, name: str, password_hash: str, **kwargs: object) -> User:
+        """A user from RabbitMQ's definitions: ``password_hash`` is base64(salt + SHA-256(salt + password))."""
+        raw = base64.b64decode(password_hash, validate=True)
+        if len(raw) != RABBIT_SALT_BYTES + hashlib.sha256().digest_size:
+            raise ValueError(f"password_hash of user '{name}' is not a {RABBIT_SHA256} hash")
+        return cls(name, raw[:RABBIT_SALT_BYTES], raw[RABBIT_SALT_BYTES:], **kwargs)  # type: ignore[arg-type]
+
+    def rabbit_hash(self) -> str | None:
+        """The hash in RabbitMQ's format, when this user has one (else None: RabbitMQ could not check it).
+
+        Only users imported from RabbitMQ that have not logged in here since have one: a
+        login re-hashes the record with the node's slow KDF (argon2id), which RabbitMQ
+        cannot check, so such users export under ``leveret_users``.
+        """
+        if len(self.salt) != RABBIT_SALT_BYTES:
+            return None
+        return base64.b64encode(self.salt + self.password_hash).decode("ascii")
+
     def check_password(self, password: str) -> bool:
         return passwords.verify(self.salt, self.password_hash, password)[0]
+
+    def permission(self, vhost: str) -> Permission | None:
+        if vhost not in self.vhosts:
+            return None
+        return self.permissions.get(vhost) or Permission()
 
 
 def is_loopback(address: str | None) -> bool:

@@ -68,6 +68,7 @@ class Exchange:
         self.arguments = dict(arguments or {})
         self.bindings: dict[tuple[Any, ...], Binding] = {}
         self.deleted = False
+        self.published_in = 0  # messages routed through it: read by the management API (core/engine/stats.py)
 
     def add_binding(self, binding: Binding) -> bool:
         """Add; False when an identical binding already exists."""

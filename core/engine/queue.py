@@ -92,6 +92,10 @@ class QueueChannel:
         self._next_in: dict[int, int] = {}
         self.unacked = 0
         self.ready_bytes = 0
+        # Counters the management API reads (core/engine/stats.py): plain ints, one += each.
+        self.delivered = 0  # deliveries and basic.get answers
+        self.acked = 0  # deliveries settled (acked, or rejected without requeue)
+        self.redelivered = 0  # of those, deliveries of a message delivered before
         self._dispatching = False
         self._expiry_timer: TimerHandle | None = None
         self._expiry_at = 0.0
@@ -228,6 +232,9 @@ class QueueChannel:
     def _hand_over(self, c: Consumer, qm: QueuedMessage) -> None:
         """Deliver ``qm`` to ``c``: unacked until settled, or gone at once for no-ack."""
         qm.delivery_count += 1
+        self.delivered += 1
+        if qm.redelivered:
+            self.redelivered += 1
         if not c.no_ack:
             self.unacked += 1
             c.unacked += 1
@@ -249,6 +256,9 @@ class QueueChannel:
         self.ready_bytes -= len(qm.message.body)
         self.flow_recheck()
         qm.delivery_count += 1
+        self.delivered += 1
+        if qm.redelivered:
+            self.redelivered += 1
         if not no_ack:
             self.unacked += 1
         elif qm.persisted:
@@ -305,6 +315,7 @@ class QueueChannel:
             # first, so the ack reaches neither the store nor the consumers.
             lease.valid()
         self.unacked -= 1
+        self.acked += 1
         if consumer is not None:
             consumer.unacked -= 1
         if qm.persisted:
@@ -486,6 +497,7 @@ class Queue:
         # Offsets retention removed while they may be delivered and unacked: such a
         # message is dropped instead of requeued (drop_offsets).
         self.retained: set[int] = set()
+        self.published = 0  # messages enqueued: a counter the management API reads (core/engine/stats.py)
         self.touch()
 
     @property
@@ -522,6 +534,7 @@ class Queue:
         offset = self.next_offset
         self.next_offset = offset + 1
         qm = QueuedMessage(message, offset)
+        self.published += 1
         if self._ttl_ms is not None or message.summary.expiration is not None:
             qm.expires_at = self._expiry_of(message)
         if self.storage is not None and message.summary.delivery_mode == 2:
@@ -554,6 +567,7 @@ class Queue:
                 storage.append(qm)
             qms.append(qm)
         self.next_offset = offset
+        self.published += len(qms)
         self.default.push_many(qms)
         return [True] * len(qms)
 

@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING, Any
 
 from core.engine import dead_letter
 from core.engine.exchange import Binding, Destination, Exchange, make_exchange
+from core.engine.policy_store import PolicyDefinition
 from core.engine.queue import Queue
 from core.engine.queue_args import parse_queue_args
 from core.engine.stream import StreamQueue
@@ -64,6 +65,19 @@ class VirtualHost:
         self.on_exchange_auto_deleted: list[Callable[[VirtualHost, Exchange], None]] = []
         for xname, xtype in STANDARD_EXCHANGES:
             self.exchanges[xname] = make_exchange(xtype, xname, durable=True)
+        # Policies set through the management API (core/engine/policy_store.py); whoever
+        # applies them listens in on_policies_changed (called after every change).
+        self.policies: dict[str, PolicyDefinition] = {}
+        self.operator_policies: dict[str, PolicyDefinition] = {}
+        self.on_policies_changed: list[Callable[[VirtualHost], None]] = []
+        # Runtime parameters (/api/parameters): (component, name) -> value.
+        self.parameters: dict[tuple[str, str], Any] = {}
+        self.description = ""
+        self.tags: tuple[str, ...] = ()
+
+    def policies_changed(self) -> None:
+        for observer in list(self.on_policies_changed):
+            observer(self)
 
     # -- lookups ---------------------------------------------------------------
     def get_exchange(self, name: str) -> Exchange:
@@ -370,6 +384,7 @@ class VirtualHost:
         if exchange is None:
             q = self.queues.get(rk)
             return [q] if q is not None else []
+        exchange.published_in += 1
         dests = exchange.route(rk, message)
         if not dests:
             return self._alternate(exchange, message)

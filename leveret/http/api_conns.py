@@ -1,0 +1,110 @@
+"""AMQP connections (list, close), channels and consumers."""
+
+from __future__ import annotations
+
+import logging
+from typing import TYPE_CHECKING, Any
+
+from aiohttp import web
+
+from leveret.http import listing
+from leveret.http.errors import not_found
+from leveret.http.responses import no_content
+from leveret.http.views import channel_json, connection_json, connection_name, consumers_json
+
+if TYPE_CHECKING:
+    from amqp_frontend.server import AMQPProtocol
+    from leveret.http.routing import Router
+    from leveret.http.server import Call
+
+
+log = logging.getLogger("leveret.http")
+
+
+def register(r: Router) -> None:
+    r.add("connections", GET=(connections, "management"))
+    r.add("vhosts/{vhost}/connections", GET=(connections, "management"))
+    r.add("connections/{name}", GET=(connection_get, "management"), DELETE=(connection_close, "management"))
+    r.add("connections/{name}/channels", GET=(connection_channels, "management"))
+    r.add("channels", GET=(channels, "management"))
+    r.add("vhosts/{vhost}/channels", GET=(channels, "management"))
+    r.add("channels/{name}", GET=(channel_get, "management"))
+    r.add("consumers", GET=(consumers, "management"))
+    r.add("consumers/{vhost}", GET=(consumers, "management"))
+
+
+def _open(call: Call) -> list[AMQPProtocol]:
+    """Connections past the handshake this user may see (its own, or all for monitoring/administrator)."""
+    vhost = call.vhost().name if "vhost" in call.params else None
+    out = []
+    for proto in list(call.node.amqp.connections):
+        conn = proto.conn
+        if conn is None or conn.vhost is None or proto.transport is None:
+            continue
+        if vhost is not None and conn.vhost.name != vhost:
+            continue
+        if call.sees_all or conn.username == call.user.name:
+            out.append(proto)
+    return out
+
+
+async def connections(call: Call) -> Any:
+    node = call.node_name
+    return listing.apply([connection_json(p, node) for p in _open(call)], call.query)
+
+
+def _connection(call: Call) -> AMQPProtocol:
+    name = call.params["name"]
+    for proto in _open(call):
+        if connection_name(proto) == name:
+            return proto
+    raise not_found(f"connection '{name}' not found")
+
+
+async def connection_get(call: Call) -> dict[str, Any]:
+    return connection_json(_connection(call), call.node_name)
+
+
+async def connection_close(call: Call) -> web.Response:
+    """Close with 320 CONNECTION_FORCED and the X-Reason header's text, as RabbitMQ does."""
+    proto = _connection(call)
+    reason = call.request.headers.get("X-Reason", "Closed via management plugin")
+    conn = proto.conn
+    assert conn is not None
+    log.info("connection closed through the management API",
+             extra={"connection": connection_name(proto), "user": call.user.name, "reason": reason})
+    conn.close(320, f"CONNECTION_FORCED - {reason}"[:255])
+    proto._flush()
+    return no_content()
+
+
+async def connection_channels(call: Call) -> Any:
+    proto = _connection(call)
+    assert proto.conn is not None
+    return [channel_json(proto, ch, call.node_name) for ch in proto.conn.channels.values()]
+
+
+def _all_channels(call: Call) -> list[dict[str, Any]]:
+    node = call.node_name
+    return [channel_json(p, ch, node) for p in _open(call) if p.conn is not None for ch in p.conn.channels.values()]
+
+
+async def channels(call: Call) -> Any:
+    return listing.apply(_all_channels(call), call.query)
+
+
+async def channel_get(call: Call) -> dict[str, Any]:
+    for ch in _all_channels(call):
+        if ch["name"] == call.params["name"]:
+            return ch
+    raise not_found(f"channel '{call.params['name']}' not found")
+
+
+async def consumers(call: Call) -> Any:
+    vhost = call.vhost().name if "vhost" in call.params else None
+    out: list[dict[str, Any]] = []
+    for proto in _open(call):
+        assert proto.conn is not None
+        for ch in proto.conn.channels.values():
+            out.extend(c for c in consumers_json(proto, ch) if vhost is None or c["queue"]["vhost"] == vhost)
+    return listing.apply(out, call.query, default_sort=None)

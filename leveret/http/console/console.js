@@ -1,0 +1,284 @@
+// Leveret's web console: a few views over the management API (same origin, basic auth).
+// Everything shown is built with textContent (names come from clients: never innerHTML).
+"use strict";
+
+const state = { auth: sessionStorage.getItem("leveret-auth"), timer: null, chart: [], sort: {} };
+
+function el(tag, attrs, ...children) {
+  const node = document.createElement(tag);
+  for (const [k, v] of Object.entries(attrs || {})) {
+    if (k.startsWith("on")) node.addEventListener(k.slice(2), v);
+    else if (v !== undefined && v !== null) node.setAttribute(k, v);
+  }
+  for (const c of children.flat()) node.append(c instanceof Node ? c : document.createTextNode(String(c ?? "")));
+  return node;
+}
+
+async function api(method, path, body, headers) {
+  const res = await fetch("/api" + path, {
+    method, headers: { Authorization: "Basic " + state.auth, "Content-Type": "application/json",
+      "X-Requested-With": "XMLHttpRequest", ...(headers || {}) },
+    body: body === undefined ? undefined : JSON.stringify(body),
+  });
+  if (res.status === 401) { logout("Login failed or not allowed: " + path); throw new Error("401"); }
+  const text = await res.text();
+  const data = text ? JSON.parse(text) : null;
+  if (!res.ok) throw new Error((data && data.reason) || res.statusText);
+  return data;
+}
+
+const enc = encodeURIComponent;
+const rate = (stats, key) => ((stats || {})[key + "_details"] || {}).rate || 0;
+const main = () => document.getElementById("main");
+
+function logout(message) {
+  sessionStorage.removeItem("leveret-auth");
+  state.auth = null;
+  location.hash = "";
+  location.reload();
+  if (message) sessionStorage.setItem("leveret-login-error", message);
+}
+
+function table(id, columns, rows, key) {
+  // columns: [label, getter, numeric]; rows sorted by the clicked column (client side).
+  const sort = state.sort[key] || { col: 0, rev: false };
+  const sorted = [...rows].sort((a, b) => {
+    const x = columns[sort.col][1](a), y = columns[sort.col][1](b);
+    const r = typeof x === "number" && typeof y === "number" ? x - y : String(x).localeCompare(String(y));
+    return sort.rev ? -r : r;
+  });
+  const head = el("tr", {}, columns.map(([label, , num], i) => el("th", {
+    class: num ? "num" : "", onclick: () => { state.sort[key] = { col: i, rev: sort.col === i && !sort.rev }; route(); },
+  }, label + (sort.col === i ? (sort.rev ? " ▼" : " ▲") : ""))));
+  const body = sorted.map((row) => el("tr", {}, columns.map(([, get, num, render]) =>
+    el("td", { class: num ? "num" : "" }, render ? render(row) : get(row)))));
+  return el("table", { id }, el("thead", {}, head), el("tbody", {}, body));
+}
+
+function drawChart(canvas) {
+  const ctx = canvas.getContext("2d");
+  const w = (canvas.width = canvas.clientWidth), h = (canvas.height = canvas.clientHeight);
+  const pts = state.chart;
+  const max = Math.max(1, ...pts.map((p) => Math.max(p.publish, p.deliver)));
+  ctx.clearRect(0, 0, w, h);
+  ctx.fillStyle = "#555"; ctx.font = "11px sans-serif";
+  ctx.fillText(max.toFixed(1) + " msg/s", 4, 12);
+  [["publish", "#2b6cb0"], ["deliver", "#c05621"]].forEach(([k, color], i) => {
+    ctx.strokeStyle = color; ctx.beginPath();
+    pts.forEach((p, j) => {
+      const x = (j / Math.max(1, pts.length - 1)) * (w - 8) + 4, y = h - 4 - (p[k] / max) * (h - 20);
+      j ? ctx.lineTo(x, y) : ctx.moveTo(x, y);
+    });
+    ctx.stroke(); ctx.fillStyle = color; ctx.fillText(k, w - 120 + i * 60, 12);
+  });
+}
+
+const views = {
+  async overview() {
+    const [o, nodes] = await Promise.all([api("GET", "/overview"), api("GET", "/nodes").catch(() => [])]);
+    const s = o.message_stats || {};
+    state.chart.push({ publish: rate(s, "publish"), deliver: rate(s, "deliver_get") });
+    if (state.chart.length > 120) state.chart.shift();
+    const t = o.queue_totals, n = o.object_totals;
+    const canvas = el("canvas", { id: "rates-chart" });
+    const view = [
+      el("h2", {}, "Overview — ", o.node, " (", o.product_name, " ", o.product_version, ")"),
+      el("div", { class: "card totals", id: "totals" },
+        [["Queues", n.queues], ["Connections", n.connections], ["Channels", n.channels], ["Consumers", n.consumers],
+         ["Messages", t.messages], ["Ready", t.messages_ready], ["Unacked", t.messages_unacknowledged],
+         ["Publish/s", rate(s, "publish")], ["Deliver/s", rate(s, "deliver_get")]]
+          .map(([k, v]) => el("div", {}, el("b", {}, v), k))),
+      el("div", { class: "card" }, el("h3", {}, "Message rates"), canvas),
+      el("h3", {}, "Nodes"),
+      table("nodes", [["Name", (x) => x.name], ["Memory used", (x) => x.mem_used, true],
+        ["Memory alarm", (x) => String(x.mem_alarm)], ["Uptime (s)", (x) => Math.round(x.uptime / 1000), true]],
+      nodes, "nodes"),
+    ];
+    return { view, after: () => drawChart(canvas) };
+  },
+
+  async queues() {
+    // Only the columns shown: with thousands of queues the full objects are most of the cost.
+    const queues = await api("GET", "/queues?columns=vhost,name,type,messages,messages_ready," +
+      "messages_unacknowledged,consumers,message_stats.publish_details,message_stats.deliver_get_details");
+    const form = el("form", { class: "card inline", id: "add-queue", onsubmit: async (e) => {
+      e.preventDefault();
+      const f = new FormData(e.target);
+      await act(() => api("PUT", `/queues/${enc(f.get("vhost"))}/${enc(f.get("name"))}`,
+        { durable: f.get("durable") === "on", auto_delete: false, arguments: {} }), "Queue declared");
+    } },
+    el("label", {}, "Vhost ", el("input", { name: "vhost", value: "/" })),
+    el("label", {}, "Name ", el("input", { name: "name", required: "" })),
+    el("label", {}, "Durable ", el("input", { name: "durable", type: "checkbox", checked: "" })),
+    el("button", {}, "Add queue"));
+    return { view: [el("h2", {}, `Queues (${queues.length})`), table("queues", [
+      ["Vhost", (q) => q.vhost], ["Name", (q) => q.name, false,
+        (q) => el("a", { href: `#/queue/${enc(q.vhost)}/${enc(q.name)}`, class: "queue-link" }, q.name)],
+      ["Type", (q) => q.type], ["Messages", (q) => q.messages, true], ["Ready", (q) => q.messages_ready, true],
+      ["Unacked", (q) => q.messages_unacknowledged, true], ["Consumers", (q) => q.consumers, true],
+      ["Publish/s", (q) => rate(q.message_stats, "publish"), true],
+      ["Deliver/s", (q) => rate(q.message_stats, "deliver_get"), true],
+    ], queues, "queues"), form] };
+  },
+
+  async queue(vhost, name) {
+    const path = `/queues/${enc(vhost)}/${enc(name)}`;
+    const [q, bindings, consumers] = await Promise.all([api("GET", path), api("GET", path + "/bindings"),
+      api("GET", `/consumers/${enc(vhost)}`)]);
+    const out = el("pre", { id: "got" });
+    const getForm = el("form", { class: "card inline", id: "get-form", onsubmit: async (e) => {
+      e.preventDefault();
+      const f = new FormData(e.target);
+      try {
+        const msgs = await api("POST", path + "/get", { count: Number(f.get("count")), ackmode: f.get("ackmode"),
+          encoding: "auto" });
+        out.textContent = msgs.length ? msgs.map((m) => `${m.routing_key}: ${m.payload}`).join("\n") : "Queue is empty";
+      } catch (err) { out.textContent = "Error: " + err.message; }
+    } },
+    el("h3", {}, "Get messages"),
+    el("label", {}, "Count ", el("input", { name: "count", value: "1", size: "4" })),
+    el("label", {}, "Ack mode ", el("select", { name: "ackmode" },
+      ["ack_requeue_true", "ack_requeue_false", "reject_requeue_true", "reject_requeue_false"]
+        .map((m) => el("option", { value: m }, m)))),
+    el("button", { id: "get-button" }, "Get messages"), out);
+    const pubForm = el("form", { class: "card inline", id: "publish-form", onsubmit: async (e) => {
+      e.preventDefault();
+      const f = new FormData(e.target);
+      await act(() => api("POST", `/exchanges/${enc(vhost)}/amq.default/publish`, { routing_key: name,
+        payload: f.get("payload"), payload_encoding: "string",
+        properties: { delivery_mode: f.get("persistent") === "on" ? 2 : 1 } }), "Message published");
+    } },
+    el("h3", {}, "Publish a message"),
+    el("label", {}, "Payload ", el("input", { name: "payload", id: "payload" })),
+    el("label", {}, "Persistent ", el("input", { name: "persistent", type: "checkbox" })),
+    el("button", { id: "publish-button" }, "Publish"));
+    const mine = consumers.filter((c) => c.queue.name === name);
+    return { view: [
+      el("h2", {}, `Queue ${name} (vhost ${vhost})`),
+      el("div", { class: "card totals", id: "queue-totals" },
+        [["Messages", q.messages, "q-messages"], ["Ready", q.messages_ready], ["Unacked", q.messages_unacknowledged],
+         ["Consumers", q.consumers], ["Publish/s", rate(q.message_stats, "publish")],
+         ["Deliver/s", rate(q.message_stats, "deliver_get")]]
+          .map(([k, v, id]) => el("div", {}, el("b", { id }, v), k))),
+      el("p", {}, `durable: ${q.durable}, auto-delete: ${q.auto_delete}, arguments: ${JSON.stringify(q.arguments)}`),
+      el("div", {},
+        el("button", { id: "purge-button", onclick: () => act(() => api("DELETE", path + "/contents"), "Purged") },
+          "Purge"),
+        el("button", { id: "delete-button", onclick: async () => {
+          if (!confirm(`Delete queue ${name}?`)) return;
+          await act(() => api("DELETE", path), "Deleted");
+          location.hash = "#/queues";
+        } }, "Delete")),
+      el("h3", {}, "Bindings"),
+      table("bindings", [["From", (b) => b.source || "(default exchange)"], ["Routing key", (b) => b.routing_key],
+        ["Arguments", (b) => JSON.stringify(b.arguments)]], bindings, "qbindings"),
+      el("h3", {}, "Consumers"),
+      table("consumers", [["Tag", (c) => c.consumer_tag], ["Channel", (c) => c.channel_details.name],
+        ["Ack required", (c) => String(c.ack_required)], ["Prefetch", (c) => c.prefetch_count, true]],
+      mine, "qconsumers"),
+      getForm, pubForm,
+    ], keep: true };
+  },
+
+  async exchanges() {
+    const xs = await api("GET", "/exchanges");
+    return { view: [el("h2", {}, "Exchanges"), table("exchanges", [["Vhost", (x) => x.vhost],
+      ["Name", (x) => x.name || "(default)"], ["Type", (x) => x.type], ["Durable", (x) => String(x.durable)],
+      ["Publish in/s", (x) => rate(x.message_stats, "publish_in"), true]], xs, "exchanges")] };
+  },
+
+  async connections() {
+    const cs = await api("GET", "/connections");
+    return { view: [el("h2", {}, `Connections (${cs.length})`), table("connections", [
+      ["Name", (c) => c.name], ["User", (c) => c.user], ["Vhost", (c) => c.vhost], ["State", (c) => c.state],
+      ["Channels", (c) => c.channels, true],
+      ["Client", (c) => (c.client_properties || {}).product || ""],
+      ["", () => "", false, (c) => el("button", { class: "close-connection", onclick: async () => {
+        const reason = prompt(`Close ${c.name}? Reason:`, "Closed via the Leveret console");
+        if (reason === null) return;
+        await act(() => api("DELETE", `/connections/${enc(c.name)}`, undefined, { "X-Reason": reason }), "Closed");
+      } }, "Close")],
+    ], cs, "connections")] };
+  },
+
+  async channels() {
+    const chs = await api("GET", "/channels");
+    return { view: [el("h2", {}, "Channels"), table("channels", [["Name", (c) => c.name], ["User", (c) => c.user],
+      ["Consumers", (c) => c.consumer_count, true], ["Unacked", (c) => c.messages_unacknowledged, true],
+      ["Prefetch", (c) => c.prefetch_count, true], ["Confirm", (c) => String(c.confirm)]], chs, "channels")] };
+  },
+
+  async users() {
+    const [users, perms] = await Promise.all([api("GET", "/users"), api("GET", "/permissions")]);
+    return { view: [el("h2", {}, "Users"), table("users", [["Name", (u) => u.name], ["Tags", (u) => u.tags.join(", ")]],
+      users, "users"), el("h3", {}, "Permissions"), table("permissions", [["User", (p) => p.user],
+      ["Vhost", (p) => p.vhost], ["Configure", (p) => p.configure], ["Write", (p) => p.write],
+      ["Read", (p) => p.read]], perms, "permissions")] };
+  },
+
+  async policies() {
+    const ps = await api("GET", "/policies");
+    return { view: [el("h2", {}, "Policies"), table("policies", [["Vhost", (p) => p.vhost], ["Name", (p) => p.name],
+      ["Pattern", (p) => p.pattern], ["Apply to", (p) => p["apply-to"]],
+      ["Definition", (p) => JSON.stringify(p.definition)], ["Priority", (p) => p.priority, true]], ps, "policies")] };
+  },
+};
+
+async function act(fn, done) {
+  const status = document.getElementById("status") || el("p", { id: "status" });
+  try { await fn(); status.className = "ok"; status.textContent = done; }
+  catch (err) { status.className = "error"; status.textContent = "Error: " + err.message; }
+  main().prepend(status);
+  await route(true);
+}
+
+async function route(keepStatus) {
+  clearTimeout(state.timer);
+  const parts = location.hash.replace(/^#\/?/, "").split("/").map(decodeURIComponent);
+  const name = views[parts[0]] ? parts[0] : "overview";
+  document.querySelectorAll("#nav a").forEach((a) => a.classList.toggle("active", a.hash === "#/" + name));
+  const status = keepStatus ? document.getElementById("status") : null;
+  try {
+    const { view, after, keep } = await views[name](...parts.slice(1));
+    if (keep && document.getElementById("get-form") && document.getElementById("queue-totals")) {
+      // The queue page keeps its forms (a half-typed message) and refreshes its numbers only.
+      const fresh = view.find((v) => v.id === "queue-totals");
+      document.getElementById("queue-totals").replaceWith(fresh);
+    } else {
+      main().replaceChildren(...(status ? [status] : []), ...view);
+    }
+    if (after) after();
+  } catch (err) {
+    if (err.message !== "401") main().replaceChildren(el("p", { class: "error" }, "Error: " + err.message));
+  }
+  state.timer = setTimeout(() => route(true), 5000);
+}
+
+async function start() {
+  const form = document.getElementById("login");
+  const error = sessionStorage.getItem("leveret-login-error");
+  if (error) { document.getElementById("login-error").textContent = error; sessionStorage.removeItem("leveret-login-error"); }
+  if (!state.auth) {
+    form.addEventListener("submit", async (e) => {
+      e.preventDefault();
+      const f = new FormData(form);
+      const auth = btoa(unescape(encodeURIComponent(`${f.get("username")}:${f.get("password")}`)));
+      const res = await fetch("/api/whoami", { headers: { Authorization: "Basic " + auth,
+        "X-Requested-With": "XMLHttpRequest" } });
+      if (!res.ok) { document.getElementById("login-error").textContent = "Login failed"; return; }
+      sessionStorage.setItem("leveret-auth", auth);
+      state.auth = auth;
+      start();
+    });
+    return;
+  }
+  const me = await api("GET", "/whoami");
+  document.getElementById("who").textContent = `${me.name} (${me.tags.join(", ")}) `;
+  document.getElementById("who").append(el("a", { href: "#", id: "logout", onclick: (e) => { e.preventDefault(); logout(); } },
+    "log out"));
+  document.getElementById("nav").hidden = false;
+  window.addEventListener("hashchange", () => route());
+  route();
+}
+
+start();
