@@ -20,7 +20,7 @@ from leveret.http import listing, metadata
 from leveret.http.errors import bad_request, not_found
 from leveret.http.rates import add_stats, stats_json
 from leveret.http.responses import created, json_response, no_content
-from leveret.http.views import queue_counts, user_json
+from leveret.http.views import LEVERET_PHC, queue_counts, user_json
 
 if TYPE_CHECKING:
     from core.engine.vhost import VirtualHost
@@ -310,6 +310,10 @@ def user_from_json(name: str, body: dict[str, Any], old: User | None) -> User:
                 raise bad_request(f"password_hash of user '{name}' is not base64") from None
             except ValueError as exc:
                 raise bad_request(str(exc)) from None
+        if algorithm == LEVERET_PHC:
+            if not password_hash.startswith("$"):
+                raise bad_request(f"password_hash of user '{name}' is not a PHC string ($argon2id$...)")
+            return User(name, b"", password_hash.encode("ascii"), **kwargs)
         if algorithm == "leveret_pbkdf2_sha256":
             try:
                 raw = base64.b64decode(password_hash, validate=True)

@@ -108,10 +108,17 @@ def vhost_bindings(vh: VirtualHost) -> list[dict[str, Any]]:
     return out
 
 
+LEVERET_PHC = "leveret_phc"
+
+
 def user_json(user: User) -> dict[str, Any]:
     rabbit = user.rabbit_hash()
     if rabbit is not None:
         password_hash, algorithm = rabbit, "rabbit_password_hashing_sha256"
+    elif not user.salt:
+        # The node's slow KDF (argon2id, or PBKDF2-SHA256 600k): its PHC string, which
+        # Leveret re-imports and RabbitMQ cannot check (so it goes under leveret_users).
+        password_hash, algorithm = user.password_hash.decode("ascii"), LEVERET_PHC
     else:
         # Leveret's own hash (salt + PBKDF2): kept so a Leveret export re-imports into Leveret.
         password_hash = base64.b64encode(user.salt + user.password_hash).decode("ascii")
