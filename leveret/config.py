@@ -34,6 +34,7 @@ class NodeConfig:
     lease_ttl: int = 2
     advertise_host: str = ""
     retention_interval: float = 0.0
+    prometheus_port: int = 15692
 
     @property
     def resolved_node_id(self) -> str:
@@ -68,6 +69,7 @@ HELP = {
     "when binding to all addresses)",
     "retention_interval": "run the retention job (docs/RETENTION.md) every this many seconds in a subprocess, "
     "one run at a time (0: never)",
+    "prometheus_port": "Prometheus metrics port (/metrics, rabbitmq_prometheus names; see docs/METRICS.md); 0 disables",
 }
 
 

@@ -7,6 +7,7 @@ import gc
 import logging
 import os
 import signal
+import time
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -20,6 +21,7 @@ from core.ports.store import MessageStore, StoreError
 from leveret import __version__
 from leveret.config import NodeConfig
 from leveret.grpc_server import GRPCServer
+from leveret.http.metrics import MetricsServer
 from leveret.retention_schedule import RetentionService
 
 if TYPE_CHECKING:
@@ -48,6 +50,8 @@ class Node:
         )
         self.grpc = GRPCServer(self.broker, config.max_message_size)
         self.cluster: EtcdCluster | None = None
+        self.metrics: MetricsServer | None = None  # --prometheus-port (leveret/http/metrics.py)
+        self.started_at = time.monotonic()
         StreamQueue.memory_limit = config.stream_memory_bytes
 
     def _make_store(self) -> MessageStore:
@@ -127,6 +131,13 @@ class Node:
         else:
             await self.amqp.start(self.config.bind, self.config.amqp_port)
             await self.grpc.start(self.config.bind, self.config.grpc_port)
+        if self.config.prometheus_port:
+            self.metrics = MetricsServer(self)
+            try:
+                await self.metrics.start(self.config.bind, self.config.prometheus_port)
+            except OSError as exc:
+                raise OSError(exc.errno, f"Prometheus port {self.config.prometheus_port}: "
+                                         f"{exc.strerror or exc}") from exc
         self._monitor = asyncio.create_task(self._watch_memory())
         log.info(
             "node started",
@@ -134,6 +145,7 @@ class Node:
                 "node": self.broker.node_id,
                 "amqp": f"{self.config.bind}:{self.amqp.port}",
                 "grpc": f"{self.config.bind}:{self.grpc.port}",
+                "prometheus": f"{self.config.bind}:{self.metrics.port}" if self.metrics else "off",
                 "data_dir": os.path.abspath(self.config.data_dir),
                 "pid": os.getpid(),
             },
@@ -177,6 +189,8 @@ class Node:
             await self.cluster.stop(handover=True)
         await self.grpc.stop()
         await self.amqp.stop()
+        if self.metrics is not None:
+            await self.metrics.stop()
         if self.retention is not None:
             await self.retention.stop()
         if self.broker.committer is not None:

@@ -2,12 +2,17 @@
 
 from __future__ import annotations
 
+import os
 import uuid
 from collections.abc import Iterator
 
 import pytest
 
 from tests.pg import throwaway_postgres
+
+# Nodes these tests start serve no Prometheus endpoint unless a test passes
+# --prometheus-port: the default (15692) would collide between parallel runs.
+os.environ.setdefault("LEVERET_PROMETHEUS_PORT", "0")
 
 
 @pytest.fixture(scope="session")

@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from core.engine.direct_reply import ReplyRegistry
+from core.engine.node_stats import NodeStats
 from core.engine.vhost import VirtualHost
 from core.model.clock import AsyncioScheduler, Scheduler
 from core.model.errors import AccessRefused, NotAllowed
@@ -67,6 +68,7 @@ class Broker:
         self.vhosts: dict[str, VirtualHost] = {}
         self.users: dict[str, User] = {}
         self.reply_to = ReplyRegistry()
+        self.stats = NodeStats()  # message counters for /metrics (leveret/http/metrics.py)
         self.durability: Durability | None = None  # set when a store is configured
         self.committer: GroupCommitter | None = None
         # Set by the node's memory monitor; the front ends stop reading from publishers.
