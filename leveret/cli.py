@@ -48,6 +48,9 @@ def build_parser() -> argparse.ArgumentParser:
     from leveret import users
 
     users.add_parsers(sub)
+    from leveret import policies_cli
+
+    policies_cli.add_parser(sub)
     return parser
 
 
@@ -70,6 +73,10 @@ def main(argv: list[str] | None = None) -> int:
         from leveret import streams_cli
 
         return streams_cli.main(args, parser)
+    if args.command == "policies":
+        from leveret import policies_cli
+
+        return policies_cli.main(args)
     if args.command in ("users", "vhosts"):
         from leveret import users
 

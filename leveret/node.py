@@ -22,6 +22,7 @@ from leveret import __version__
 from leveret.config import NodeConfig
 from leveret.grpc_server import GRPCServer
 from leveret.http.metrics import MetricsServer
+from leveret.policy_watch import PolicyWatch
 from leveret.retention_schedule import RetentionService
 
 if TYPE_CHECKING:
@@ -51,6 +52,7 @@ class Node:
         self.grpc = GRPCServer(self.broker, config.max_message_size)
         self.cluster: EtcdCluster | None = None
         self.metrics: MetricsServer | None = None  # --prometheus-port (leveret/http/metrics.py)
+        self.policy_watch: PolicyWatch | None = None
         self.started_at = time.monotonic()
         StreamQueue.memory_limit = config.stream_memory_bytes
 
@@ -69,11 +71,15 @@ class Node:
             # its backlog when it takes the queue (coordination/etcd.py).
             # Stored users and vhosts seed the cluster's when it has none.
             await durability.restore_users(self.broker)
+            await durability.restore_policies(self.broker)
             log.info("store opened", extra={"store": store.description, "mode": "cluster"})
         else:
             queues, messages = await durability.restore(self.broker)
             log.info("store opened", extra={"store": store.description, "durable_queues": queues,
                                             "messages_restored": messages})
+        # Policies other nodes and `leveret retention policy` write to the store (leveret/policy_watch.py).
+        self.policy_watch = PolicyWatch(self.broker, store)
+        await self.policy_watch.start()
         from leveret.retention_schedule import start_retention
 
         self.retention = await start_retention(self)
@@ -193,6 +199,8 @@ class Node:
             await self.metrics.stop()
         if self.retention is not None:
             await self.retention.stop()
+        if self.policy_watch is not None:
+            await self.policy_watch.stop()
         if self.broker.committer is not None:
             try:
                 await asyncio.wait_for(self.broker.committer.drain(), timeout=10)

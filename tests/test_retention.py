@@ -136,13 +136,15 @@ def test_limits_parse_and_combine() -> None:
     limits = effective_limits(
         {("/", "logs.a"): {"x-message-ttl": 7_200_000, "x-max-length": 50}, ("/", "other"): {}},
         [NamedPolicy("logs", r"^logs\.", max_age_seconds=3600, max_length=100, archive=True),
-         NamedPolicy("wide", ".*", max_bytes=10**6)],
+         NamedPolicy("zz-all", ".*", max_length=1),  # same priority, later name: "logs" applies, not both
+         NamedPolicy("wide", ".*", max_bytes=10**6, operator=True)],
     )  # fmt: skip
     a = limits[("/", "logs.a")]
     assert (a.max_age_seconds, a.max_length, a.max_bytes, a.archive) == (3600, 50, 10**6, True)
-    assert a.sources == {"max_age_seconds": "policy logs", "max_length": "queue arguments", "max_bytes": "policy wide"}
+    assert a.sources == {"max_age_seconds": "policy logs", "max_length": "queue arguments",
+                         "max_bytes": "operator policy wide"}
     other = limits[("/", "other")]
-    assert (other.max_age_seconds, other.max_length, other.max_bytes, other.archive) == (None, None, 10**6, False)
+    assert (other.max_age_seconds, other.max_length, other.max_bytes, other.archive) == (None, 1, 10**6, False)
 
 
 def test_policy_commands(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
