@@ -66,6 +66,8 @@ class Node:
         committer = GroupCommitter(store, on_fenced=self._fenced)
         self.broker.committer = committer
         durability = Durability(store, committer)
+        # Policies set through any vhost go to the store, where every node reads them (policy_watch).
+        self.broker.set_policy_writer(durability.policy_changed)
         if self.config.etcd:
             # Cluster mode: etcd holds the topology; each queue's owner loads
             # its backlog when it takes the queue (coordination/etcd.py).

@@ -24,7 +24,7 @@ Key = tuple[str, bool, str]  # (vhost, operator, name)
 
 
 class PolicyWatch:
-    def __init__(self, broker: Broker, store: MessageStore, poll: float = 1.0) -> None:
+    def __init__(self, broker: Broker, store: MessageStore, poll: float = 0.5) -> None:
         self.broker = broker
         self.store = store
         self.poll = poll

@@ -78,3 +78,44 @@ async def test_old_retention_policies_become_policies_postgres(postgres_db: str)
     finally:
         await s.close()
     assert found == [Policy("/", "week", "^logs", {"max-age": "604800s", "archive": True}, "queues", 0)]
+
+
+async def test_a_policy_set_on_a_vhost_is_stored_and_other_writes_are_picked_up(tmp_path: Path) -> None:
+    from core.durable.durability import Durability
+    from core.durable.group_commit import GroupCommitter
+    from core.engine.broker import Broker
+    from leveret.policy_watch import PolicyWatch
+    from persistence.sqlite import SQLiteStore
+
+    s = SQLiteStore(str(tmp_path / "leveret.sqlite3"))
+    await s.open()
+    try:
+        committer = GroupCommitter(s)
+        broker = Broker()
+        broker.set_policy_writer(Durability(s, committer).policy_changed)
+        watch = PolicyWatch(broker, s)
+        await watch.start()
+        try:
+            vh = broker.vhosts["/"]
+            mine = Policy.create("/", "mine", "^a", {"max-length": 1})
+            vh.set_policy(mine)
+            await committer.drain()
+            assert await s.load_policies() == [mine]
+            watch.apply_changes({("/", False, "mine"): mine})  # a read of the store: nothing to do
+            assert vh.policies == {"mine": mine}
+            # Another process writes the store: this node applies it on its next read.
+            theirs = Policy.create("/", "theirs", "^b", {"max-length": 2}, priority=1)
+            await s.save_policy(theirs)
+            await s.delete_policy("/", "mine", False)
+            watch.apply_changes({("/", False, "theirs"): theirs})
+            assert vh.policies == {"theirs": theirs}
+            # A local change whose write has not reached the store yet is not undone by a read.
+            later = Policy.create("/", "later", "^c", {"max-length": 3})
+            vh.set_policy(later)
+            watch.apply_changes({("/", False, "theirs"): theirs})
+            assert set(vh.policies) == {"theirs", "later"}
+            await committer.drain()
+        finally:
+            await watch.stop()
+    finally:
+        await s.close()

@@ -20,6 +20,7 @@ if TYPE_CHECKING:
 
     from core.durable.durability import Durability
     from core.durable.group_commit import GroupCommitter
+    from core.model.policy import Policy
     from core.ports.coordinator import Cluster
 
 
@@ -78,6 +79,8 @@ class Broker:
         # Forwarded publishes wait at a slow owner: front ends stop reading from publishers.
         self.forward_congested = False
         self.flow_listeners: list[Callable[[bool], None]] = []
+        # Persists policies set through a vhost (core.durable.Durability.policy_changed): (policy, cleared).
+        self.policy_writer: Callable[[Policy, bool], None] | None = None
         self.add_vhost("/")
         if default_user is not None:
             name, password = default_user
@@ -95,7 +98,14 @@ class Broker:
         if vh is None:
             vh = self.vhosts[name] = VirtualHost(name, self.scheduler)
             vh.durability = self.durability
+            vh.policy_writer = self.policy_writer
         return vh
+
+    def set_policy_writer(self, writer: Callable[[Policy, bool], None] | None) -> None:
+        """Where policies set on any vhost, now or later, are written (single node and cluster alike)."""
+        self.policy_writer = writer
+        for vh in self.vhosts.values():
+            vh.policy_writer = writer
 
     def add_user(
         self,

@@ -68,7 +68,10 @@ class VirtualHost:
         self.policies: dict[str, Policy] = {}
         self.operator_policies: dict[str, Policy] = {}
         self.policy_alternates: dict[str, str] = {}  # exchange -> alternate exchange set by a policy
-        # Observers of a policy set or cleared here (the cluster mirrors it to the other nodes).
+        # Writes a policy set or cleared here to the store (every node reads them from there:
+        # leveret/policy_watch.py); set by the broker (Broker.policy_writer). (policy, cleared).
+        self.policy_writer: Callable[[Policy, bool], None] | None = None
+        # Observers of a policy set or cleared here through this vhost.
         self.on_policy_changed: list[Callable[[VirtualHost, Policy], None]] = []
         for xname, xtype in STANDARD_EXCHANGES:
             self.exchanges[xname] = make_exchange(xtype, xname, durable=True)
@@ -368,8 +371,8 @@ class VirtualHost:
         return True
 
     def _policies_changed(self, policy: Policy, restoring: bool, cleared: bool = False) -> None:
-        if self.durability is not None and not restoring:
-            self.durability.policy_changed(policy, cleared)
+        if self.policy_writer is not None and not restoring:
+            self.policy_writer(policy, cleared)
         self.apply_policies()
         log.info("policy cleared" if cleared else "policy set",
                  extra={"vhost": self.name, "policy": policy.name, "operator": policy.operator})
