@@ -197,3 +197,12 @@ def test_policy_of_another_vhost_is_refused() -> None:
 
 def test_x_delivery_limit_argument_is_accepted() -> None:
     assert parse_queue_args({"x-delivery-limit": 3}, "q", "/").delivery_limit == 3
+
+
+def test_an_archiving_policy_leaves_its_limits_to_the_retention_job() -> None:
+    vh = vhost_with(policy("logs", "^logs", {"max-length": 4, "archive": True, "dead-letter-exchange": "dlx"}))
+    q = vh.declare_queue("logs.app", None)
+    for i in range(6):
+        q.enqueue(msg(b"m%d" % i))
+    assert q.message_count == 6  # the job archives, then removes them through a retention request
+    assert q.args.max_length is None and q.args.dead_letter_exchange == "dlx"

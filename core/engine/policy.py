@@ -11,6 +11,12 @@ operator policy likewise, combine with the queue's own ``x-`` arguments:
   the queue's argument if it has one, else the policy's (``res_arg``).
 
 For an exchange, only ``alternate-exchange``: the exchange's argument wins.
+
+A policy with Leveret's ``archive: true`` asks the retention job to archive
+what its limits remove, so the node leaves those limits (message-ttl,
+max-length, max-length-bytes, max-age) to the job: were the node to drop the
+messages first, nothing would be archived. The job removes them from the live
+queue through its retention requests (leveret/retention_watch.py).
 """
 
 from __future__ import annotations
@@ -35,6 +41,7 @@ _ARGUMENT_WINS = {
     "dead-letter-routing-key": ("dead_letter_routing_key", "x-dead-letter-routing-key"),
 }
 _STREAM_LIMITS = ("max-length-bytes",)  # and max-age, in seconds
+_RETENTION_LIMITS = frozenset({"message-ttl", "max-length", "max-length-bytes", "max-age"})
 
 
 def effective_queue_args(
@@ -49,12 +56,15 @@ def effective_queue_args(
         if source is None:
             continue
         d = source.definition
+        archived = d.get("archive") is True
         for key, (attr, _arg) in _LIMITS.items():
+            if archived and key in _RETENTION_LIMITS:
+                continue
             if key in d and (not stream or key in _STREAM_LIMITS):
                 current = changes.get(attr, getattr(parsed, attr))
                 if current is None or d[key] < current:
                     changes[attr] = d[key]
-        if stream and "max-age" in d:
+        if stream and "max-age" in d and not archived:
             age = float(max_age_seconds(d["max-age"]))
             current_age = changes.get("max_age", parsed.max_age)
             if current_age is None or age < current_age:
