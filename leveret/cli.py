@@ -51,6 +51,9 @@ def build_parser() -> argparse.ArgumentParser:
     from leveret import policies_cli
 
     policies_cli.add_parser(sub)
+    from leveret import diagnostics
+
+    diagnostics.add_parser(sub)
     return parser
 
 
@@ -73,6 +76,10 @@ def main(argv: list[str] | None = None) -> int:
         from leveret import streams_cli
 
         return streams_cli.main(args, parser)
+    if args.command == "diagnostics":
+        from leveret import diagnostics
+
+        return diagnostics.main(args)
     if args.command == "policies":
         from leveret import policies_cli
 
