@@ -6,6 +6,7 @@ RabbitMQ's Grafana dashboards query them by name.
 
 from __future__ import annotations
 
+import json
 import urllib.error
 import urllib.request
 from collections.abc import Iterator
@@ -146,3 +147,18 @@ def test_per_object_and_detailed(node: MetricsNode) -> None:
         node.scrape("/metrics/detailed?family=no_such_family")
     assert err.value.code == 400
     assert b"no_such_family" in err.value.read()
+
+
+def test_last_retention_report_totals(node: MetricsNode) -> None:
+    found = samples(node.scrape())
+    assert not [name for name, _ in found if name.startswith("leveret_retention_last_run")]  # no run yet
+    report = node.data_dir / "retention" / "last-report.json"
+    report.parent.mkdir(parents=True, exist_ok=True)
+    # What spark/retention_job.py writes (its totals and time), as a scheduled run leaves it.
+    report.write_text(json.dumps({"now": 1_763_942_400.0, "queues": [], "totals": {
+        "kept_messages": 7, "removed_messages": 3, "archived_messages": 2, "kept_bytes": 700, "removed_bytes": 300}}))
+    found = samples(node.scrape())
+    assert value(found, "leveret_retention_last_run_timestamp_seconds") == 1_763_942_400.0
+    assert value(found, "leveret_retention_last_run_messages", outcome="removed") == 3
+    assert value(found, "leveret_retention_last_run_messages", outcome="archived") == 2
+    assert value(found, "leveret_retention_last_run_bytes", outcome="kept") == 700

@@ -128,6 +128,14 @@ class Node:
         gc.set_threshold(50_000, 20, 100)
         Path(self.config.data_dir).mkdir(parents=True, exist_ok=True)
         await self._open_store()
+        # Scrapeable before clients are served: a probe that saw AMQP answer can read the metrics too.
+        if self.config.prometheus_port:
+            self.metrics = MetricsServer(self)
+            try:
+                await self.metrics.start(self.config.bind, self.config.prometheus_port)
+            except OSError as exc:
+                raise OSError(exc.errno, f"Prometheus port {self.config.prometheus_port}: "
+                                         f"{exc.strerror or exc}") from exc
         if self.config.etcd:
             # Peers reach us over gRPC as soon as we register, and clients
             # must not be served before the cluster's metadata is mirrored.
@@ -139,13 +147,6 @@ class Node:
         else:
             await self.amqp.start(self.config.bind, self.config.amqp_port)
             await self.grpc.start(self.config.bind, self.config.grpc_port)
-        if self.config.prometheus_port:
-            self.metrics = MetricsServer(self)
-            try:
-                await self.metrics.start(self.config.bind, self.config.prometheus_port)
-            except OSError as exc:
-                raise OSError(exc.errno, f"Prometheus port {self.config.prometheus_port}: "
-                                         f"{exc.strerror or exc}") from exc
         self._monitor = asyncio.create_task(self._watch_memory())
         log.info(
             "node started",

@@ -18,6 +18,7 @@ Three views, as rabbitmq_prometheus serves them:
 from __future__ import annotations
 
 import functools
+import json
 import os
 import platform
 import resource
@@ -25,7 +26,8 @@ import shutil
 import time
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 from prometheus_client import CollectorRegistry
 from prometheus_client.core import (
@@ -382,6 +384,42 @@ class NodeCollector:
         if retention is not None:
             yield CounterMetricFamily("leveret_retention_runs_total",
                                       "Retention job runs this node started and saw finish", value=retention.runs)
+        yield from _last_retention_report(Path(node.config.data_dir) / "retention" / "last-report.json")
+
+
+_report_cache: dict[str, tuple[float, dict[str, Any]]] = {}
+
+
+def _last_retention_report(path: Path) -> Iterator[Metric]:
+    """Totals of the last scheduled retention run (--retention-interval), re-read only when the file changes."""
+    try:
+        mtime = path.stat().st_mtime
+    except OSError:
+        return
+    cached = _report_cache.get(str(path))
+    if cached is None or cached[0] != mtime:
+        try:
+            report = json.loads(path.read_text())
+            totals = {k: report["totals"][k] for k in ("kept_messages", "removed_messages", "archived_messages",
+                                                       "kept_bytes", "removed_bytes")}
+            totals["now"] = report["now"]
+        except (OSError, ValueError, KeyError, TypeError):
+            return  # being written, or from another version: no series rather than a failed scrape
+        cached = _report_cache[str(path)] = (mtime, totals)
+    totals = cached[1]
+    yield GaugeMetricFamily("leveret_retention_last_run_timestamp_seconds",
+                            "When the last retention run this node scheduled looked at the store (Unix time)",
+                            value=totals["now"])
+    messages = GaugeMetricFamily("leveret_retention_last_run_messages",
+                                 "Messages the last retention run kept, removed and archived", labels=["outcome"])
+    for outcome in ("kept", "removed", "archived"):
+        messages.add_metric([outcome], totals[f"{outcome}_messages"])
+    yield messages
+    size = GaugeMetricFamily("leveret_retention_last_run_bytes", "Bytes the last retention run kept and removed",
+                             labels=["outcome"])
+    for outcome in ("kept", "removed"):
+        size.add_metric([outcome], totals[f"{outcome}_bytes"])
+    yield size
 
 
 @functools.cache
