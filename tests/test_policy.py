@@ -206,3 +206,12 @@ def test_an_archiving_policy_leaves_its_limits_to_the_retention_job() -> None:
         q.enqueue(msg(b"m%d" % i))
     assert q.message_count == 6  # the job archives, then removes them through a retention request
     assert q.args.max_length is None and q.args.dead_letter_exchange == "dlx"
+
+
+def test_effective_definition_for_the_management_api() -> None:
+    from core.engine.policy import effective_definition
+
+    p = policy("p", ".*", {"max-length": 10, "dead-letter-exchange": "dlx"})
+    cap = policy("cap", ".*", {"max-length": 3, "message-ttl": 1000}, operator=True)
+    assert effective_definition(p, cap) == {"max-length": 3, "dead-letter-exchange": "dlx", "message-ttl": 1000}
+    assert effective_definition(None, None) == {}

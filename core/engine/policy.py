@@ -88,3 +88,12 @@ def effective_alternate(arguments: dict[str, Any], policy: Policy | None) -> str
         value = policy.definition.get("alternate-exchange")
         return value if isinstance(value, str) else None
     return None
+
+
+def effective_definition(policy: Policy | None, operator: Policy | None) -> dict[str, Any]:
+    """RabbitMQ's ``effective_policy_definition`` of a queue: the policy's keys, capped by the operator policy's."""
+    out: dict[str, Any] = dict(policy.definition) if policy is not None else {}
+    if operator is not None:
+        for key, value in operator.definition.items():
+            out[key] = min(out[key], value) if key in out else value
+    return out
