@@ -53,6 +53,7 @@ class Channel:
         self.vhost = conn.vhost
         assert self.vhost is not None
         self.closing = False
+        self.stats = conn.broker.stats
         # Content being assembled: (exchange, routing key, mandatory), props, body parts.
         self.publishing: tuple[str, str, bool] | None = None
         self.awaiting_header = False
@@ -105,6 +106,11 @@ class Channel:
         self.next_tag = tag + 1
         if not consumer.no_ack:
             self.unacked[tag] = (qm, consumer, consumer.channel)
+            self.stats.delivered_consume_manual_ack += 1
+        else:
+            self.stats.delivered_consume_auto_ack += 1
+        if qm.redelivered:
+            self.stats.redelivered += 1
         m = qm.message
         if len(m.body) > codec.LARGE_BODY:
             self.conn.write(
@@ -263,6 +269,7 @@ class Channel:
         vhost = self.vhost
         assert vhost is not None
         routing_key = message.routing_key
+        self.stats.received += 1
         accepted = True
         routed = True
         stored = False
@@ -290,7 +297,10 @@ class Channel:
                     stored = True
                 elif q.remote is not None:
                     forwarded = self._await_owner(q.remote, forwarded)
-        if not routed and mandatory:
+        if not routed and not mandatory:
+            self.stats.unroutable_dropped += 1
+        elif not routed:
+            self.stats.unroutable_returned += 1
             self.conn.send_method(
                 self.number,
                 commands.Basic.Return(
@@ -299,6 +309,7 @@ class Channel:
             )
             self.conn.write_content(self.number, message.props, message.body)
         if self.confirm:
+            self.stats.received_confirm += 1
             self.publish_seq += 1
             seq = self.publish_seq
             if forwarded is not None and accepted:
@@ -366,6 +377,7 @@ class Channel:
     def _ack_upto(self, upto: int) -> None:
         if upto > self.confirmed_upto:
             multiple = upto - self.confirmed_upto > 1
+            self.stats.confirmed += upto - self.confirmed_upto
             self.confirmed_upto = upto
             self.conn.write(_basic_ack_frame(self.number, upto, multiple))
 
@@ -425,6 +437,7 @@ class Channel:
                 raise PreconditionFailed(f"unknown delivery tag {tag}")
             qm, consumer, qch = entry
             qch.settle(qm, consumer)
+            self.stats.acknowledged += 1
             if self.prefetch_global:
                 self.resume()  # channel-wide credit: any of its consumers may go on
             qch.dispatch()
@@ -439,6 +452,7 @@ class Channel:
 
     def _settle_entries(self, entries: list[Unacked]) -> None:
         touched: dict[int, QueueChannel] = {}
+        self.stats.acknowledged += len(entries)
         for qm, consumer, qch in entries:
             qch.settle(qm, consumer)
             touched[id(qch)] = qch
@@ -718,12 +732,16 @@ class Channel:
 
     def _got(self, m: commands.Basic.Get, qch: QueueChannel, qm: QueuedMessage | None, remaining: int) -> None:
         if qm is None:
+            self.stats.get_empty += 1
             self._reply(commands.Basic.GetEmpty())
             return
         tag = self.next_tag
         self.next_tag = tag + 1
         if not m.no_ack:
             self.unacked[tag] = (qm, None, qch)
+            self.stats.delivered_get_manual_ack += 1
+        else:
+            self.stats.delivered_get_auto_ack += 1
         msg = qm.message
         self.conn.write(
             codec.get_ok_frame(self.number, tag, qm.redelivered, msg.exchange, msg.routing_key, remaining)

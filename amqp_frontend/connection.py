@@ -571,6 +571,7 @@ class Connection:
                     f"channel_max ({self.channel_max})"
                 )
             self.channels[number] = Channel(self, number)
+            self.broker.stats.channels_opened += 1
             self.send_method(number, commands.Channel.OpenOk())
             return
         if ch is None:
@@ -578,10 +579,12 @@ class Connection:
         if isinstance(method, commands.Channel.CloseOk):
             if ch.closing:
                 del self.channels[number]
+                self.broker.stats.channels_closed += 1
             return
         if isinstance(method, commands.Channel.Close):
             ch.release()
             del self.channels[number]
+            self.broker.stats.channels_closed += 1
             self.send_method(number, commands.Channel.CloseOk())
             return
         if ch.closing:
@@ -792,6 +795,7 @@ class Connection:
             self._held_by.clear()
         for ch in list(self.channels.values()):
             ch.release()
+        self.broker.stats.channels_closed += len(self.channels)
         self.channels.clear()
         if self.vhost is not None:
             self.vhost.drop_exclusive_queues(self)

@@ -44,6 +44,7 @@ class AMQPProtocol(asyncio.Protocol):
         self.conn = conn
         tr.set_write_buffer_limits(high=1024 * 1024, low=256 * 1024)  # type: ignore[attr-defined]
         self.server.connections.add(self)
+        self.server.broker.stats.connections_opened += 1
 
     def data_received(self, data: bytes) -> None:
         conn = self.conn
@@ -167,6 +168,7 @@ class AMQPProtocol(asyncio.Protocol):
 
     def connection_lost(self, exc: Exception | None) -> None:
         self.server.connections.discard(self)
+        self.server.broker.stats.connections_closed += 1
         if self.conn is not None:
             self.conn.connection_lost()
         self.transport = None

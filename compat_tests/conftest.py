@@ -25,6 +25,10 @@ from compat_tests.raw_amqp import RawAMQP
 from compat_tests.util import Names, unique_name
 from tests.ports import free_ports as _free_ports
 
+# Nodes these tests start serve no Prometheus endpoint unless a test passes
+# --prometheus-port: the default (15692) would collide between parallel runs.
+os.environ.setdefault("LEVERET_PROMETHEUS_PORT", "0")
+
 REPO_ROOT = Path(__file__).resolve().parent.parent
 STARTUP_TIMEOUT = 15.0
 URL_ENV = "LEVERET_TEST_AMQP_URL"

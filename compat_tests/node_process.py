@@ -39,9 +39,14 @@ def _python() -> str:
     return str(venv_python) if venv_python.exists() else sys.executable
 
 
+# Test nodes serve no Prometheus endpoint unless a test passes --prometheus-port:
+# the default port (15692) would collide between nodes of tests run in parallel.
+NO_METRICS = {"LEVERET_PROMETHEUS_PORT": "0"}
+
+
 def node_env() -> dict[str, str]:
     """The environment without LEVERET_* settings, so only the flags configure the node."""
-    return {k: v for k, v in os.environ.items() if not k.startswith("LEVERET_")}
+    return {**{k: v for k, v in os.environ.items() if not k.startswith("LEVERET_")}, **NO_METRICS}
 
 
 def serve_command(amqp_port: int, grpc_port: int, data_dir: Path, store_args: Sequence[str],

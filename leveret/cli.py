@@ -58,6 +58,12 @@ def build_parser() -> argparse.ArgumentParser:
     from leveret import ctl
 
     ctl.add_parser(sub)
+    from leveret import policies_cli
+
+    policies_cli.add_parser(sub)
+    from leveret import diagnostics
+
+    diagnostics.add_parser(sub)
     return parser
 
 
@@ -90,6 +96,14 @@ def main(argv: list[str] | None = None) -> int:
         from leveret import tls_cli
 
         return tls_cli.main(args)
+    if args.command == "diagnostics":
+        from leveret import diagnostics
+
+        return diagnostics.main(args)
+    if args.command == "policies":
+        from leveret import policies_cli
+
+        return policies_cli.main(args)
     if args.command in ("users", "vhosts"):
         from leveret import users
 

@@ -11,8 +11,19 @@ Synchronous::
         sub.ack(m)
 
 ``Subscriber.fileno()`` is readable while a message is pending, for
-``select``/``poll`` loops. ``AsyncClient`` has the same methods as coroutines
-and ``async for`` over a subscription. See docs/GRPC.md.
+``select``/``poll`` loops. ``AsyncClient`` has the same methods as coroutines,
+``async for`` and ``async with`` over a subscription, and the same
+``fileno()``. Queues and channels come back as plain dataclasses
+(``QueueInfo``, ``ChannelInfo``), not protobuf objects.
+
+A subscription whose node goes away (restart, failover) subscribes again
+once the node answers, for up to ``resubscribe_for`` seconds (default 60;
+0 turns it off): messages it had received and not acknowledged come back
+from the broker marked redelivered (a ``Deduplicator`` drops the ones already
+handled); the ones still waiting in the subscriber are dropped, and acks of
+deliveries made before the restart raise ``LeveretError`` (NOT_FOUND): the
+broker no longer knows those delivery ids. ``Subscriber.resubscribed`` counts
+the times it happened. See docs/GRPC.md.
 """
 
 from __future__ import annotations
@@ -34,12 +45,15 @@ from core.grpc_api import leveret_pb2_grpc as pb_grpc
 
 __all__ = [
     "AsyncClient",
+    "AsyncStatusSubscriber",
     "AsyncSubscriber",
+    "ChannelInfo",
     "Client",
     "ClusterEvent",
     "Deduplicator",
     "LeveretError",
     "Message",
+    "QueueInfo",
     "StatusSubscriber",
     "Subscriber",
 ]
@@ -56,7 +70,15 @@ _KINDS = {
 _OPTIONS = [
     ("grpc.max_receive_message_length", 256 * 1024 * 1024),
     ("grpc.max_send_message_length", 256 * 1024 * 1024),
+    # A restarted node is reached again within ~1 s rather than after gRPC's default backoff (up to 120 s).
+    ("grpc.initial_reconnect_backoff_ms", 100),
+    ("grpc.min_reconnect_backoff_ms", 100),
+    ("grpc.max_reconnect_backoff_ms", 1000),
 ]
+# How a subscription ends when its node goes away: connection lost, server shut down, stream reset.
+_GONE = frozenset({grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED, grpc.StatusCode.INTERNAL})
+RESUBSCRIBE_FOR = 60.0
+_KIND_NAMES = {v: k for k, v in _KINDS.items() if k is not None}
 
 
 T = TypeVar("T")
@@ -132,6 +154,37 @@ class Message:
             d.id, d.topic, d.content, dict(props) if len(props) else {}, d.offset, d.redelivered,
             d.timestamp_ms / 1000.0, d.delivery_id, d.delivery_count, channel_id,
         )
+
+
+@dataclass(frozen=True)
+class QueueInfo:
+    name: str
+    durable: bool
+    messages: int  # ready in the default (AMQP) channel
+    consumers: int  # of the default channel
+    channels: int  # the default one included
+    auto_delete: bool
+    exclusive: bool
+
+    @classmethod
+    def _from(cls, q: pb.QueueInfo) -> QueueInfo:
+        return cls(q.name, q.durable, q.messages, q.consumers, q.channels, q.auto_delete, q.exclusive)
+
+
+@dataclass(frozen=True)
+class ChannelInfo:
+    id: str  # "<queue>/<name>"; "<queue>/" is the default (AMQP) channel
+    queue: str
+    name: str
+    topic: str
+    kind: str  # auto, exact, prefix, pattern or none
+    ready: int
+    unacked: int
+    consumers: int
+
+    @classmethod
+    def _from(cls, c: pb.ChannelInfo) -> ChannelInfo:
+        return cls(c.id, c.queue, c.name, c.topic, _KIND_NAMES.get(c.kind, "auto"), c.ready, c.unacked, c.consumers)
 
 
 @dataclass
@@ -286,6 +339,11 @@ class _Pending:
             self._unsignal()
             return item
 
+    def drop(self) -> None:
+        with self.cond:
+            self.items.clear()
+            self._unsignal()
+
     def poll(self) -> list[Any]:
         with self.cond:
             out = list(self.items)
@@ -304,29 +362,74 @@ class _Pending:
 
 
 class _StreamReader:
-    """A thread draining a server stream into a _Pending."""
+    """A thread draining a server stream into a _Pending; it opens the stream again when the node went away."""
 
-    def __init__(self, call: Any, convert: Any) -> None:
+    def __init__(self, call: Any, convert: Any, reopen: Any = None, retry_for: float = 0.0,
+                 drop_on_reopen: bool = False) -> None:
         self.call = call
         self.pending = _Pending()
+        self.reopened = 0
         self._convert = convert
+        self._reopen = reopen  # () -> a new call, or None: no resubscription
+        self._retry_for = retry_for
+        self._drop_on_reopen = drop_on_reopen
+        self._closed = False
         self._thread = threading.Thread(target=self._run, name="leveret-stream", daemon=True)
         self._thread.start()
 
     def _run(self) -> None:
         error: LeveretError | None = None
-        try:
-            for response in self.call:
-                self.pending.put_many(self._convert(response))
-        except grpc.RpcError as exc:
-            if exc.code() != grpc.StatusCode.CANCELLED:  # type: ignore[attr-defined]
-                error = _wrap(exc)
+        while True:
+            try:
+                for response in self.call:
+                    self.pending.put_many(self._convert(response))
+                break  # the broker ended the stream (the queue went away)
+            except grpc.RpcError as exc:
+                code = exc.code()  # type: ignore[attr-defined]
+                if self._closed:
+                    break
+                if code in _GONE and self._reopen is not None and self._again():
+                    continue
+                if code != grpc.StatusCode.CANCELLED:
+                    error = _wrap(exc)
+                break
         self.pending.finish(error)
 
+    def _again(self) -> bool:
+        """Open the stream again once the node answers; False when it does not within ``retry_for``."""
+        deadline = time.monotonic() + self._retry_for
+        pause = 0.05
+        while not self._closed and time.monotonic() < deadline:
+            try:
+                call = self._reopen(max(0.01, deadline - time.monotonic()))
+                call.initial_metadata()  # in place (or refused) when this returns
+                if call.done() and call.code() != grpc.StatusCode.OK:
+                    if call.code() not in _GONE:
+                        return False  # refused (the queue is gone, access denied): not a restart
+                    raise _Retry
+            except (grpc.RpcError, grpc.FutureTimeoutError, _Retry):
+                time.sleep(min(pause, max(0.0, deadline - time.monotonic())))
+                pause = min(pause * 2, 1.0)
+                continue
+            if self._closed:
+                call.cancel()
+                return False
+            if self._drop_on_reopen:
+                self.pending.drop()  # unacked: the broker redelivers them
+            self.call = call
+            self.reopened += 1
+            return True
+        return False
+
     def close(self) -> None:
+        self._closed = True
         self.call.cancel()
         self._thread.join(timeout=5)
         self.pending.close()
+
+
+class _Retry(Exception):
+    pass
 
 
 class _Received(Generic[T]):
@@ -366,10 +469,17 @@ class _Received(Generic[T]):
 class Subscriber(_Received[Message]):
     """A subscription to one channel (sync). Not thread safe except that a thread receives for it."""
 
-    def __init__(self, client: Client, channel_id: str, call: Any) -> None:
+    def __init__(self, client: Client, channel_id: str, call: Any, reopen: Any = None, retry_for: float = 0.0,
+                 auto_ack: bool = False) -> None:
         self.client = client
         self.channel_id = channel_id
-        self._reader = _StreamReader(call, lambda r: [Message._from(d, channel_id) for d in r.messages])
+        self._reader = _StreamReader(call, lambda r: [Message._from(d, channel_id) for d in r.messages], reopen,
+                                     retry_for, drop_on_reopen=not auto_ack)
+
+    @property
+    def resubscribed(self) -> int:
+        """How many times the subscription was opened again after its node went away."""
+        return self._reader.reopened
 
     def available(self) -> int:
         return len(self._reader.pending.items)
@@ -431,17 +541,17 @@ class Client:
     def create_queue(
         self, name: str, durable: bool = False, exist_ok: bool = False, auto_delete: bool = False,
         max_length: int = 0, message_ttl_ms: int = 0,
-    ) -> pb.QueueInfo:
-        return self._call(self._stub.CreateQueue, pb.CreateQueueRequest(
+    ) -> QueueInfo:
+        return QueueInfo._from(self._call(self._stub.CreateQueue, pb.CreateQueueRequest(
             name=name, durable=durable, exist_ok=exist_ok, auto_delete=auto_delete, max_length=max_length,
-            message_ttl_ms=message_ttl_ms))
+            message_ttl_ms=message_ttl_ms)))
 
     def delete_queue(self, name: str, if_unused: bool = False, if_empty: bool = False) -> int:
         r = self._call(self._stub.DeleteQueue, pb.DeleteQueueRequest(name=name, if_unused=if_unused, if_empty=if_empty))
         return int(r.messages_dropped)
 
-    def list_queues(self) -> list[pb.QueueInfo]:
-        return list(self._call(self._stub.ListQueues, pb.ListQueuesRequest()).queues)
+    def list_queues(self) -> list[QueueInfo]:
+        return [QueueInfo._from(q) for q in self._call(self._stub.ListQueues, pb.ListQueuesRequest()).queues]
 
     # channels
     def create_channel(self, queue: str, topic: str | None = None, kind: str | None = None, name: str = "") -> str:
@@ -453,8 +563,9 @@ class Client:
     def delete_channel(self, channel_id: str) -> int:
         return int(self._call(self._stub.DeleteChannel, pb.DeleteChannelRequest(id=channel_id)).messages_dropped)
 
-    def list_channels(self, queue: str = "") -> list[pb.ChannelInfo]:
-        return list(self._call(self._stub.ListChannels, pb.ListChannelsRequest(queue=queue)).channels)
+    def list_channels(self, queue: str = "") -> list[ChannelInfo]:
+        r = self._call(self._stub.ListChannels, pb.ListChannelsRequest(queue=queue))
+        return [ChannelInfo._from(c) for c in r.channels]
 
     # messages
     def push(
@@ -471,19 +582,27 @@ class Client:
         r = self._call(self._stub.PushBatch, _batch_request(queue, contents, topic, properties, persistent))
         return [x.id for x in r.results]
 
-    def subscribe(self, channel_id: str, prefetch: int = 0, auto_ack: bool = False, max_batch: int = 0) -> Subscriber:
-        """Subscribe to a channel (a queue's default channel is "<queue>/")."""
-        call = self._stub.Subscribe(
-            pb.SubscribeRequest(channel_id=channel_id, prefetch=prefetch, auto_ack=auto_ack, max_batch=max_batch),
-            metadata=self._md,
-        )
+    def subscribe(self, channel_id: str, prefetch: int = 0, auto_ack: bool = False, max_batch: int = 0,
+                  resubscribe_for: float = RESUBSCRIBE_FOR) -> Subscriber:
+        """Subscribe to a channel (a queue's default channel is "<queue>/").
+
+        If the node goes away, subscribe again for up to ``resubscribe_for`` seconds (0: never).
+        """
+        request = pb.SubscribeRequest(channel_id=channel_id, prefetch=prefetch, auto_ack=auto_ack,
+                                      max_batch=max_batch)
+
+        def reopen(wait: float) -> Any:
+            grpc.channel_ready_future(self._channel).result(timeout=wait)  # grpc.FutureTimeoutError
+            return self._stub.Subscribe(request, metadata=self._md)
+
+        call = self._stub.Subscribe(request, metadata=self._md)
         try:
             call.initial_metadata()  # the subscription is in place (or refused) when this returns
         except grpc.RpcError as exc:
             raise _wrap(exc) from None
         if call.done() and call.code() != grpc.StatusCode.OK:
             raise LeveretError(call.code(), call.details() or "")
-        sub = Subscriber(self, channel_id, call)
+        sub = Subscriber(self, channel_id, call, reopen if resubscribe_for > 0 else None, resubscribe_for, auto_ack)
         self._subscribers.append(sub)
         return sub
 
@@ -514,30 +633,102 @@ class Client:
 
 # --------------------------------------------------------------------- async
 class AsyncSubscriber:
-    """A subscription to one channel (asyncio): ``get``, ``poll``, ``available``, ``async for``."""
+    """A subscription to one channel (asyncio): ``get``, ``poll``, ``available``, ``fileno``, ``async for``,
+    ``async with``; it subscribes again when its node went away (see the module's docstring)."""
 
-    def __init__(self, client: AsyncClient, channel_id: str, call: Any) -> None:
+    def __init__(self, client: AsyncClient, channel_id: str, call: Any, reopen: Any = None,
+                 retry_for: float = 0.0, auto_ack: bool = False) -> None:
         self.client = client
         self.channel_id = channel_id
+        self._resubscribed = 0
         self._call = call
+        self._reopen = reopen  # async (wait seconds) -> a new call, or None
+        self._retry_for = retry_for
+        self._auto_ack = auto_ack
         self._items: deque[Message] = deque()
         self._event = asyncio.Event()
         self._error: LeveretError | None = None
         self._ended = False
+        self._closed = False
+        self._r, self._w = socket.socketpair()  # readable while a message is pending (fileno)
+        self._r.setblocking(False)
+        self._w.setblocking(False)
+        self._signalled = False
         self._task = asyncio.get_running_loop().create_task(self._run())
 
     async def _run(self) -> None:
         try:
-            async for response in self._call:
-                self._items.extend(Message._from(d, self.channel_id) for d in response.messages)
-                self._event.set()
-        except grpc.RpcError as exc:
-            if exc.code() != grpc.StatusCode.CANCELLED:  # type: ignore[attr-defined]
-                self._error = _wrap(exc)
+            while True:
+                try:
+                    async for response in self._call:
+                        self._items.extend(Message._from(d, self.channel_id) for d in response.messages)
+                        self._wake()
+                    break
+                except grpc.RpcError as exc:
+                    code = exc.code()  # type: ignore[attr-defined]
+                    if self._closed:
+                        break
+                    if code in _GONE and self._reopen is not None and await self._again():
+                        continue
+                    if code != grpc.StatusCode.CANCELLED:
+                        self._error = _wrap(exc)
+                    break
         except asyncio.CancelledError:
             pass
         self._ended = True
+        self._wake()
+
+    async def _again(self) -> bool:
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self._retry_for
+        pause = 0.05
+        while not self._closed and loop.time() < deadline:
+            try:
+                call = await self._reopen(max(0.01, deadline - loop.time()))
+                await call.initial_metadata()
+                if call.done():
+                    code = await call.code()
+                    if code != grpc.StatusCode.OK:
+                        if code not in _GONE:
+                            return False
+                        raise _Retry
+            except (grpc.RpcError, TimeoutError, _Retry):
+                await asyncio.sleep(min(pause, max(0.0, deadline - loop.time())))
+                pause = min(pause * 2, 1.0)
+                continue
+            if not self._auto_ack:
+                self._items.clear()  # unacked: the broker redelivers them
+                self._unsignal()
+            self._call = call
+            self._resubscribed += 1
+            return True
+        return False
+
+    def _wake(self) -> None:
         self._event.set()
+        if not self._signalled:
+            self._signalled = True
+            try:
+                self._w.send(b"x")
+            except OSError:
+                pass
+
+    def _unsignal(self) -> None:
+        if self._signalled and not self._items and not self._ended:
+            self._signalled = False
+            try:
+                self._r.recv(64)
+            except OSError:
+                pass
+
+    @property
+    def resubscribed(self) -> int:
+        """How many times the subscription was opened again after its node went away."""
+        return self._resubscribed
+
+    def fileno(self) -> int:
+        """Readable while a message is pending (or the subscription ended): for ``loop.add_reader`` or select."""
+        return self._r.fileno()
 
     async def get(self, timeout: float | None = None) -> Message | None:
         loop = asyncio.get_running_loop()
@@ -555,11 +746,14 @@ class AsyncSubscriber:
                 await asyncio.wait_for(self._event.wait(), remaining)
             except TimeoutError:
                 return None
-        return self._items.popleft()
+        m = self._items.popleft()
+        self._unsignal()
+        return m
 
     def poll(self) -> list[Message]:
         out = list(self._items)
         self._items.clear()
+        self._unsignal()
         return out
 
     def available(self) -> int:
@@ -582,12 +776,24 @@ class AsyncSubscriber:
             yield m
 
     async def close(self) -> None:
+        """End the subscription: the broker requeues what was not acked (redelivered=True)."""
+        if self._closed:
+            return
+        self._closed = True
         self._call.cancel()
         self._task.cancel()
         try:
             await self._task
         except asyncio.CancelledError:
             pass
+        self._r.close()
+        self._w.close()
+
+    async def __aenter__(self) -> Self:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()
 
 
 class AsyncStatusSubscriber:
@@ -607,6 +813,12 @@ class AsyncStatusSubscriber:
 
     def close(self) -> None:
         self._call.cancel()
+
+    async def __aenter__(self) -> Self:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        self.close()
 
 
 class AsyncClient:
@@ -641,18 +853,18 @@ class AsyncClient:
     async def create_queue(
         self, name: str, durable: bool = False, exist_ok: bool = False, auto_delete: bool = False,
         max_length: int = 0, message_ttl_ms: int = 0,
-    ) -> pb.QueueInfo:
-        return await self._call(self._stub.CreateQueue, pb.CreateQueueRequest(
+    ) -> QueueInfo:
+        return QueueInfo._from(await self._call(self._stub.CreateQueue, pb.CreateQueueRequest(
             name=name, durable=durable, exist_ok=exist_ok, auto_delete=auto_delete, max_length=max_length,
-            message_ttl_ms=message_ttl_ms))
+            message_ttl_ms=message_ttl_ms)))
 
     async def delete_queue(self, name: str, if_unused: bool = False, if_empty: bool = False) -> int:
         r = await self._call(self._stub.DeleteQueue,
                              pb.DeleteQueueRequest(name=name, if_unused=if_unused, if_empty=if_empty))
         return int(r.messages_dropped)
 
-    async def list_queues(self) -> list[pb.QueueInfo]:
-        return list((await self._call(self._stub.ListQueues, pb.ListQueuesRequest())).queues)
+    async def list_queues(self) -> list[QueueInfo]:
+        return [QueueInfo._from(q) for q in (await self._call(self._stub.ListQueues, pb.ListQueuesRequest())).queues]
 
     async def create_channel(self, queue: str, topic: str | None = None, kind: str | None = None,
                              name: str = "") -> str:
@@ -664,8 +876,9 @@ class AsyncClient:
         r = await self._call(self._stub.DeleteChannel, pb.DeleteChannelRequest(id=channel_id))
         return int(r.messages_dropped)
 
-    async def list_channels(self, queue: str = "") -> list[pb.ChannelInfo]:
-        return list((await self._call(self._stub.ListChannels, pb.ListChannelsRequest(queue=queue))).channels)
+    async def list_channels(self, queue: str = "") -> list[ChannelInfo]:
+        r = await self._call(self._stub.ListChannels, pb.ListChannelsRequest(queue=queue))
+        return [ChannelInfo._from(c) for c in r.channels]
 
     async def push(
         self, queue: str, content: bytes, topic: str | None = None, properties: dict[str, Any] | None = None,
@@ -681,12 +894,17 @@ class AsyncClient:
         r = await self._call(self._stub.PushBatch, _batch_request(queue, contents, topic, properties, persistent))
         return [x.id for x in r.results]
 
-    async def subscribe(self, channel_id: str, prefetch: int = 0, auto_ack: bool = False,
-                        max_batch: int = 0) -> AsyncSubscriber:
-        call = self._stub.Subscribe(
-            pb.SubscribeRequest(channel_id=channel_id, prefetch=prefetch, auto_ack=auto_ack, max_batch=max_batch),
-            metadata=self._md,
-        )
+    async def subscribe(self, channel_id: str, prefetch: int = 0, auto_ack: bool = False, max_batch: int = 0,
+                        resubscribe_for: float = RESUBSCRIBE_FOR) -> AsyncSubscriber:
+        """As ``Client.subscribe``."""
+        request = pb.SubscribeRequest(channel_id=channel_id, prefetch=prefetch, auto_ack=auto_ack,
+                                      max_batch=max_batch)
+
+        async def reopen(wait: float) -> Any:
+            await asyncio.wait_for(self._channel.channel_ready(), wait)
+            return self._stub.Subscribe(request, metadata=self._md)
+
+        call = self._stub.Subscribe(request, metadata=self._md)
         try:
             await call.initial_metadata()
         except grpc.RpcError as exc:
@@ -695,7 +913,8 @@ class AsyncClient:
             code = await call.code()
             if code != grpc.StatusCode.OK:
                 raise LeveretError(code, await call.details() or "")
-        sub = AsyncSubscriber(self, channel_id, call)
+        sub = AsyncSubscriber(self, channel_id, call, reopen if resubscribe_for > 0 else None, resubscribe_for,
+                              auto_ack)
         self._subscribers.append(sub)
         return sub
 

@@ -53,6 +53,7 @@ class NodeConfig:
     etcd_key: str = ""
     etcd_user: str = ""
     etcd_password: str = ""
+    prometheus_port: int = 15692
 
     @property
     def resolved_node_id(self) -> str:
@@ -113,6 +114,7 @@ HELP = {
     "etcd_key": "PEM private key of --etcd-cert",
     "etcd_user": "etcd user name (etcd's auth); with --etcd-password",
     "etcd_password": "etcd password (prefer LEVERET_ETCD_PASSWORD or the config file to a flag)",
+    "prometheus_port": "Prometheus metrics port (/metrics, rabbitmq_prometheus names; see docs/METRICS.md); 0 disables",
 }
 
 

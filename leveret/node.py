@@ -7,6 +7,7 @@ import gc
 import logging
 import os
 import signal
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -22,6 +23,8 @@ from core.ports.store import MessageStore, StoreError
 from leveret import __version__
 from leveret.config import NodeConfig
 from leveret.grpc_server import GRPCServer
+from leveret.http.metrics import MetricsServer
+from leveret.policy_watch import PolicyWatch
 from leveret.retention_schedule import RetentionService
 from leveret.tls import ServerTLS, TLSFiles
 
@@ -73,6 +76,9 @@ class Node:
         self._grpc_current: Callable[[], object] | None = None
         self.broker.on_user_rehashed.append(self._save_rehashed)
         self.management: ManagementAPI | None = None
+        self.metrics: MetricsServer | None = None  # --prometheus-port (leveret/http/metrics.py)
+        self.policy_watch: PolicyWatch | None = None
+        self.started_at = time.monotonic()
         StreamQueue.memory_limit = config.stream_memory_bytes
 
     def _save_rehashed(self, user: User) -> None:
@@ -143,17 +149,23 @@ class Node:
         committer = GroupCommitter(store, on_fenced=self._fenced)
         self.broker.committer = committer
         durability = Durability(store, committer)
+        # Policies set through any vhost go to the store, where every node reads them (policy_watch).
+        self.broker.set_policy_writer(durability.policy_changed)
         if self.config.etcd:
             # Cluster mode: etcd holds the topology; each queue's owner loads
             # its backlog when it takes the queue (coordination/etcd.py).
             # Stored users and vhosts seed the cluster's when it has none.
             await durability.restore_users(self.broker)
+            await durability.restore_policies(self.broker)
             log.info("store opened", extra={"store": store.description, "mode": "cluster"})
         else:
             queues = await durability.restore_topology(self.broker)
             messages = await self.local.take_over_stored_queues(durability, queues)
             log.info("store opened", extra={"store": store.description, "durable_queues": len(queues),
                                             "messages_restored": messages})
+        # Policies other nodes and `leveret retention policy` write to the store (leveret/policy_watch.py).
+        self.policy_watch = PolicyWatch(self.broker, store)
+        await self.policy_watch.start()
         from leveret.retention_schedule import start_retention
 
         self.retention = await start_retention(self)
@@ -209,6 +221,14 @@ class Node:
         gc.set_threshold(50_000, 20, 100)
         Path(self.config.data_dir).mkdir(parents=True, exist_ok=True)
         await self._open_store()
+        # Scrapeable before clients are served: a probe that saw AMQP answer can read the metrics too.
+        if self.config.prometheus_port:
+            self.metrics = MetricsServer(self)
+            try:
+                await self.metrics.start(self.config.bind, self.config.prometheus_port)
+            except OSError as exc:
+                raise OSError(exc.errno, f"Prometheus port {self.config.prometheus_port}: "
+                                         f"{exc.strerror or exc}") from exc
         if self.config.etcd:
             # Peers reach us over gRPC as soon as we register, and clients
             # must not be served before the cluster's metadata is mirrored.
@@ -232,6 +252,7 @@ class Node:
                 "grpc": f"{self.config.bind}:{self.grpc.port}" + (" (tls)" if self.config.grpc_tls else ""),
                 "amqps": f"{self.config.bind}:{self.amqp.tls_port}" if self.config.resolved_amqps_port else "off",
                 "cluster_port": self.cluster_server.port if self.cluster_server is not None else "off",
+                "prometheus": f"{self.config.bind}:{self.metrics.port}" if self.metrics else "off",
                 "data_dir": os.path.abspath(self.config.data_dir),
                 "pid": os.getpid(),
             },
@@ -312,8 +333,12 @@ class Node:
         if self.cluster_server is not None:
             await self.cluster_server.stop()
         await self.amqp.stop()
+        if self.metrics is not None:
+            await self.metrics.stop()
         if self.retention is not None:
             await self.retention.stop()
+        if self.policy_watch is not None:
+            await self.policy_watch.stop()
         # Everything pending is written, however long it takes while the store keeps
         # committing (50,000 declarations pending at SIGTERM once outlasted a fixed 10 s).
         if self.broker.committer is not None and not await self.broker.committer.drain_while_progressing():

@@ -120,7 +120,11 @@ def _policy(args: argparse.Namespace) -> int:
             except PolicyError as exc:
                 print(f"leveret retention: {exc}", file=sys.stderr)
                 return 2
-            backend.set_policy(policy)
+            try:
+                backend.set_policy(policy)
+            except PolicyError as exc:
+                print(f"leveret retention: {exc}", file=sys.stderr)
+                return 2
             print(f"policy {policy.name} set")
         elif args.policy_command == "list":
             policies = backend.policies()

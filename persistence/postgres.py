@@ -30,6 +30,7 @@ import json
 import logging
 import math
 import re
+import time
 from collections.abc import AsyncIterator, Iterator, Sequence
 from typing import Any
 
@@ -39,6 +40,7 @@ from psycopg.conninfo import conninfo_to_dict
 from psycopg_pool import AsyncConnectionPool
 
 from core.model.fieldtable import FieldTable, decode_table, encode_table
+from core.model.policy import Policy
 from core.ports.store import (
     Batch,
     BindingRecord,
@@ -51,6 +53,7 @@ from core.ports.store import (
     TopologyWrite,
     UserRecord,
 )
+from persistence.policy_rows import stored_policy
 from persistence.schema import POSTGRES_MIGRATIONS, apply_postgres
 
 MIGRATIONS = POSTGRES_MIGRATIONS
@@ -359,6 +362,36 @@ class PostgresStore:
         with self._guard(f"deleting user {name}"):
             async with self._connection() as conn:
                 cur = await conn.execute("DELETE FROM users WHERE name = %s", (name,))
+                return cur.rowcount > 0
+
+    async def load_policies(self) -> list[Policy]:
+        with self._guard("loading policies"):
+            async with self._connection() as conn:
+                cur = await conn.execute(
+                    "SELECT vhost, name, operator, pattern, apply_to, priority, definition FROM policies"
+                    " ORDER BY vhost, operator, name"
+                )
+                rows = await cur.fetchall()
+        return [stored_policy(vhost, name, bool(operator), pattern, apply_to, int(priority), definition)
+                for vhost, name, operator, pattern, apply_to, priority, definition in rows]
+
+    async def save_policy(self, policy: Policy) -> None:
+        with self._guard(f"saving policy {policy.name}"):
+            async with self._connection() as conn:
+                await conn.execute(
+                    "INSERT INTO policies (vhost, name, operator, pattern, apply_to, priority, definition, updated_at)"
+                    " VALUES (%s, %s, %s, %s, %s, %s, %s, %s) ON CONFLICT (vhost, operator, name) DO UPDATE SET"
+                    " pattern = EXCLUDED.pattern, apply_to = EXCLUDED.apply_to, priority = EXCLUDED.priority,"
+                    " definition = EXCLUDED.definition, updated_at = EXCLUDED.updated_at",
+                    (policy.vhost, policy.name, policy.operator, policy.pattern, policy.apply_to, policy.priority,
+                     json.dumps(policy.definition), time.time()),
+                )  # fmt: skip
+
+    async def delete_policy(self, vhost: str, name: str, operator: bool) -> bool:
+        with self._guard(f"deleting policy {name}"):
+            async with self._connection() as conn:
+                cur = await conn.execute("DELETE FROM policies WHERE vhost = %s AND name = %s AND operator = %s",
+                                         (vhost, name, operator))
                 return cur.rowcount > 0
 
     async def load_vhosts(self) -> list[str]:

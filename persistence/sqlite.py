@@ -13,12 +13,14 @@ import hashlib
 import json
 import sqlite3
 import threading
+import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, TypeVar
 
 from core.model.fieldtable import decode_table, encode_table
+from core.model.policy import Policy
 from core.ports.store import (
     Batch,
     BindingRecord,
@@ -31,6 +33,7 @@ from core.ports.store import (
     TopologyWrite,
     UserRecord,
 )
+from persistence.policy_rows import stored_policy
 from persistence.schema import SQLITE_MIGRATIONS, apply_sqlite
 
 T = TypeVar("T")
@@ -162,6 +165,33 @@ class SQLiteStore:
 
     async def delete_user(self, name: str) -> bool:
         return await self._run(lambda db: db.execute("DELETE FROM users WHERE name = ?", (name,)).rowcount > 0)
+
+    async def load_policies(self) -> list[Policy]:
+        def load(db: sqlite3.Connection) -> list[Policy]:
+            return [
+                stored_policy(vhost, name, bool(operator), pattern, apply_to, int(priority), definition)
+                for vhost, name, operator, pattern, apply_to, priority, definition in db.execute(
+                    "SELECT vhost, name, operator, pattern, apply_to, priority, definition FROM policies"
+                    " ORDER BY vhost, operator, name"
+                )
+            ]
+
+        return await self._run(load)
+
+    async def save_policy(self, policy: Policy) -> None:
+        await self._run(
+            lambda db: db.execute(
+                "INSERT OR REPLACE INTO policies (vhost, name, operator, pattern, apply_to, priority, definition,"
+                " updated_at) VALUES (?, ?, ?, ?, ?, ?, ?, ?)",
+                (policy.vhost, policy.name, int(policy.operator), policy.pattern, policy.apply_to, policy.priority,
+                 json.dumps(policy.definition), time.time()),
+            )
+        )
+
+    async def delete_policy(self, vhost: str, name: str, operator: bool) -> bool:
+        return await self._run(lambda db: db.execute(
+            "DELETE FROM policies WHERE vhost = ? AND name = ? AND operator = ?", (vhost, name, int(operator))
+        ).rowcount > 0)
 
     async def load_vhosts(self) -> list[str]:
         return await self._run(lambda db: [r[0] for r in db.execute("SELECT name FROM vhosts ORDER BY name")])

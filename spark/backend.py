@@ -8,12 +8,14 @@ module on the driver.
 from __future__ import annotations
 
 import asyncio
+import json
 import sqlite3
 import time
 from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
+from persistence.policy_rows import stored_policy
 from spark.policies import NamedPolicy, decode_arguments
 
 POSTGRES_JAR = "/usr/share/java/postgresql.jar"
@@ -152,30 +154,34 @@ class Backend:
         row = self._rows('SELECT MIN("offset"), MAX("offset"), COUNT(*) FROM messages')[0]
         return int(row[0] or 0), int(row[1] or 0), int(row[2] or 0)
 
-    # -- named policies --------------------------------------------------------------
+    # -- policies (the shared table: core/model/policy.py) ------------------------------
     def policies(self) -> list[NamedPolicy]:
+        """Every policy of every vhost, user and operator, as retention reads them."""
         return [
-            NamedPolicy(name, pattern, age, None if size is None else int(size),
-                        None if length is None else int(length), bool(archive), float(created))
-            for name, pattern, age, size, length, archive, created in self._rows(
-                "SELECT name, pattern, max_age_seconds, max_bytes, max_length, archive, created_at"
-                " FROM retention_policies ORDER BY name"
+            NamedPolicy.from_policy(stored_policy(vhost, name, bool(operator), pattern, apply_to, int(priority),
+                                                  definition), float(updated))
+            for vhost, name, operator, pattern, apply_to, priority, definition, updated in self._rows(
+                "SELECT vhost, name, operator, pattern, apply_to, priority, definition, updated_at"
+                " FROM policies ORDER BY name, vhost, operator"
             )
         ]  # fmt: skip
 
     def set_policy(self, policy: NamedPolicy) -> None:
-        archive: Any = policy.archive if self.kind == "postgres" else int(policy.archive)
+        """Store it where running nodes read it: they apply it to live queues within a second."""
+        record = policy.to_policy()
+        operator: Any = record.operator if self.kind == "postgres" else int(record.operator)
         self._execute(
-            "INSERT INTO retention_policies (name, pattern, max_age_seconds, max_bytes, max_length, archive,"
-            " created_at) VALUES (?, ?, ?, ?, ?, ?, ?) ON CONFLICT (name) DO UPDATE SET pattern = excluded.pattern,"
-            " max_age_seconds = excluded.max_age_seconds, max_bytes = excluded.max_bytes,"
-            " max_length = excluded.max_length, archive = excluded.archive",
-            (policy.name, policy.pattern, policy.max_age_seconds, policy.max_bytes, policy.max_length, archive,
-             policy.created_at or time.time()),
+            "INSERT INTO policies (vhost, name, operator, pattern, apply_to, priority, definition, updated_at)"
+            " VALUES (?, ?, ?, ?, ?, ?, ?, ?) ON CONFLICT (vhost, operator, name) DO UPDATE SET"
+            " pattern = excluded.pattern, apply_to = excluded.apply_to, priority = excluded.priority,"
+            " definition = excluded.definition, updated_at = excluded.updated_at",
+            (record.vhost, record.name, operator, record.pattern, record.apply_to, record.priority,
+             json.dumps(record.definition), policy.created_at or time.time()),
         )  # fmt: skip
 
-    def delete_policy(self, name: str) -> bool:
-        return self._execute("DELETE FROM retention_policies WHERE name = ?", (name,)) > 0
+    def delete_policy(self, name: str, vhost: str = "/") -> bool:
+        return self._execute("DELETE FROM policies WHERE vhost = ? AND name = ? AND operator = ?",
+                             (vhost, name, False if self.kind == "postgres" else 0)) > 0
 
     # -- fenced deletes ----------------------------------------------------------------
     def mark_batch(self, vhost: str, queue: str, epoch: int, ranges: Iterable[tuple[int, int]]) -> int | None:

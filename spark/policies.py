@@ -1,11 +1,15 @@
-"""Retention policies: parsing, and the effective limits of each queue.
+"""Retention's view of the policies: parsing, and the effective limits of each queue.
 
-A queue's limits come from its own arguments (``x-message-ttl``, ``x-max-age``,
-``x-max-length``, ``x-max-length-bytes``) and from every named policy whose
-pattern matches the queue name (``re.search``, as RabbitMQ's policy patterns).
-When several sources set the same limit, the strictest (smallest) wins; a queue
-is archived when any matching policy asks for it. Per-message expiry
-(``expires_at``) applies to every queue. Pure Python: no Spark here.
+There is one notion of policy (core/model/policy.py, table ``policies``): the
+node applies them to live queues, and this job reads the same rows. A queue's
+limits come from its own arguments (``x-message-ttl``, ``x-max-age``,
+``x-max-length``, ``x-max-length-bytes``), from the one policy that applies to
+it (the highest priority whose pattern matches, as RabbitMQ picks it) and from
+the one operator policy likewise; the smallest value wins, as on the node.
+For retention a policy's ``message-ttl`` and ``max-age`` are both a maximum
+age; ``archive`` (Leveret's key) asks for removed messages to be archived.
+Per-message expiry (``expires_at``) applies to every queue. Pure Python: no
+Spark here.
 """
 
 from __future__ import annotations
@@ -15,6 +19,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from core.model.fieldtable import FieldTableError, decode_table
+from core.model.policy import Policy, max_age_seconds, select
 
 _DURATION = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([YMDdhmsw]?)\s*$")
 _DURATION_UNITS = {
@@ -76,6 +81,8 @@ def format_duration(seconds: float | None) -> str:
 
 @dataclass
 class NamedPolicy:
+    """A policy as retention reads it (``to_policy``/``from_policy`` convert from and to the shared record)."""
+
     name: str
     pattern: str
     max_age_seconds: float | None = None
@@ -83,6 +90,10 @@ class NamedPolicy:
     max_length: int | None = None
     archive: bool = False
     created_at: float = 0.0
+    vhost: str = "/"
+    priority: int = 0
+    apply_to: str = "queues"
+    operator: bool = False
 
     def __post_init__(self) -> None:
         try:
@@ -97,6 +108,40 @@ class NamedPolicy:
     def matches(self, queue: str) -> bool:
         return self.compiled.search(queue) is not None
 
+    def to_policy(self) -> Policy:
+        """The shared record (validated): what ``leveret retention policy set`` stores."""
+        definition: dict[str, Any] = {"archive": self.archive}
+        if self.max_age_seconds is not None:
+            # RabbitMQ's max-age takes whole units: seconds, at least one.
+            definition["max-age"] = f"{max(1, round(self.max_age_seconds))}s"
+        if self.max_bytes is not None:
+            definition["max-length-bytes"] = self.max_bytes
+        if self.max_length is not None:
+            definition["max-length"] = self.max_length
+        try:
+            return Policy.create(self.vhost, self.name, self.pattern, definition, self.apply_to, self.priority,
+                                 self.operator)
+        except ValueError as exc:
+            raise PolicyError(str(exc)) from exc
+
+    @classmethod
+    def from_policy(cls, p: Policy, created_at: float = 0.0) -> NamedPolicy:
+        d = p.definition
+        ages: list[float] = []
+        if isinstance(d.get("max-age"), str):
+            try:
+                ages.append(float(max_age_seconds(d["max-age"])))
+            except ValueError:
+                pass
+        ttl = _number(d.get("message-ttl"))
+        if ttl is not None and ttl >= 0:
+            ages.append(ttl / 1000.0)
+        size = _number(d.get("max-length-bytes"))
+        length = _number(d.get("max-length"))
+        return cls(p.name, p.pattern, min(ages) if ages else None, None if size is None else int(size),
+                   None if length is None else int(length), d.get("archive") is True, created_at, p.vhost,
+                   p.priority, p.apply_to, p.operator)
+
     def as_dict(self) -> dict[str, Any]:
         return {
             "name": self.name,
@@ -106,6 +151,10 @@ class NamedPolicy:
             "max_length": self.max_length,
             "archive": self.archive,
             "created_at": self.created_at,
+            "vhost": self.vhost,
+            "priority": self.priority,
+            "apply_to": self.apply_to,
+            "operator": self.operator,
         }
 
 
@@ -181,19 +230,38 @@ def decode_arguments(raw: bytes | memoryview | None) -> dict[str, Any]:
 def effective_limits(
     queues: dict[tuple[str, str], dict[str, Any]], policies: list[NamedPolicy]
 ) -> dict[tuple[str, str], QueueLimits]:
-    """Limits of every queue in ``queues`` ((vhost, name) -> decoded arguments)."""
+    """Limits of every queue in ``queues`` ((vhost, name) -> decoded arguments), as the node applies them:
+    the queue's arguments, its one policy and its one operator policy, the smallest limit winning."""
+    shared = {id(p): p for p in policies}
+    records = {id(p): _record(p) for p in policies}
     out: dict[tuple[str, str], QueueLimits] = {}
     for (vhost, name), arguments in sorted(queues.items()):
         limits = QueueLimits(vhost, name)
         for limit, value in queue_argument_limits(arguments).items():
             limits.tighten(limit, value, "queue arguments")
-        for policy in sorted(policies, key=lambda p: p.name):
-            if not policy.matches(name):
+        stream = _text(arguments.get("x-queue-type")) == "stream"
+        for operator in (False, True):
+            candidates = [r for key, r in records.items() if r.vhost == vhost and r.operator == operator]
+            chosen = select(candidates, "queue", name, stream)
+            if chosen is None:
                 continue
+            policy = next(shared[key] for key, r in records.items() if r is chosen)
+            source = f"operator policy {policy.name}" if operator else f"policy {policy.name}"
             limits.policies.append(policy.name)
-            limits.tighten("max_age_seconds", policy.max_age_seconds, f"policy {policy.name}")
-            limits.tighten("max_bytes", policy.max_bytes, f"policy {policy.name}")
-            limits.tighten("max_length", policy.max_length, f"policy {policy.name}")
+            limits.tighten("max_age_seconds", policy.max_age_seconds, source)
+            limits.tighten("max_bytes", policy.max_bytes, source)
+            limits.tighten("max_length", policy.max_length, source)
             limits.archive = limits.archive or policy.archive
         out[(vhost, name)] = limits
     return out
+
+
+def _record(p: NamedPolicy) -> Policy:
+    """For matching only: the shared record without validating the definition again."""
+    return Policy(p.vhost, p.name, p.pattern, {}, p.apply_to, p.priority, p.operator)
+
+
+def _text(value: Any) -> str | None:
+    if isinstance(value, bytes):
+        return value.decode("utf-8", "replace")
+    return value if isinstance(value, str) else None

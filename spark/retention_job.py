@@ -371,10 +371,9 @@ def run(options: RunOptions, spark: SparkSession | None = None) -> dict[str, Any
         Path(options.report).write_text(json.dumps(report, indent=2))
     chart = options.chart or (str(Path(options.report).with_suffix(".png")) if options.report else None)
     if chart:
-        from spark.png import bar_chart
+        from spark.report_chart import render
 
-        bars = [(f"{q['vhost']}/{q['queue']}", q["kept_bytes"], q["removed_bytes"]) for q in report["queues"]]
-        bar_chart(chart, bars)
+        render(chart, report)
         report["chart"] = chart
     _journal(journal, run_id, phase="done", finished_at=time.time())
     if owned:

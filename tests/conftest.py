@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import uuid
 from collections.abc import Iterator
 
@@ -13,6 +14,9 @@ from tests.pg import throwaway_postgres
 # As a node does at start: argon2id for new passwords (26 ms a hash), not the
 # core's PBKDF2 fallback (280 ms), which would slow every test making a Broker.
 passwords.install()
+# Nodes these tests start serve no Prometheus endpoint unless a test passes
+# --prometheus-port: the default (15692) would collide between parallel runs.
+os.environ.setdefault("LEVERET_PROMETHEUS_PORT", "0")
 
 
 @pytest.fixture(scope="session")

@@ -136,13 +136,15 @@ def test_limits_parse_and_combine() -> None:
     limits = effective_limits(
         {("/", "logs.a"): {"x-message-ttl": 7_200_000, "x-max-length": 50}, ("/", "other"): {}},
         [NamedPolicy("logs", r"^logs\.", max_age_seconds=3600, max_length=100, archive=True),
-         NamedPolicy("wide", ".*", max_bytes=10**6)],
+         NamedPolicy("zz-all", ".*", max_length=1),  # same priority, later name: "logs" applies, not both
+         NamedPolicy("wide", ".*", max_bytes=10**6, operator=True)],
     )  # fmt: skip
     a = limits[("/", "logs.a")]
     assert (a.max_age_seconds, a.max_length, a.max_bytes, a.archive) == (3600, 50, 10**6, True)
-    assert a.sources == {"max_age_seconds": "policy logs", "max_length": "queue arguments", "max_bytes": "policy wide"}
+    assert a.sources == {"max_age_seconds": "policy logs", "max_length": "queue arguments",
+                         "max_bytes": "operator policy wide"}
     other = limits[("/", "other")]
-    assert (other.max_age_seconds, other.max_length, other.max_bytes, other.archive) == (None, None, 10**6, False)
+    assert (other.max_age_seconds, other.max_length, other.max_bytes, other.archive) == (None, 1, 10**6, False)
 
 
 def test_policy_commands(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
@@ -602,3 +604,30 @@ def test_cluster_queue_arguments_apply(spark: Any) -> None:
         assert counts == {"ret.ttl": 0, "ret.keep": 20}, counts
         assert ch.basic_get("ret.ttl", auto_ack=True)[0] is None
         conn.close()
+
+
+def test_report_chart_is_a_png_of_the_expected_size(tmp_path: Path) -> None:
+    from PIL import Image
+
+    from spark.report_chart import chart_size, render
+
+    def queue(name: str, kept: int, removed: int, archived: int, vhost: str = "/") -> dict[str, Any]:
+        return {"vhost": vhost, "queue": name, "kept_messages": kept, "removed_messages": removed,
+                "archived_messages": archived, "kept_bytes": kept * 300, "removed_bytes": removed * 300,
+                "messages_before": kept + removed, "fenced": name == "fenced-q"}
+
+    queues = [queue("logs.app", 4, 6, 6), queue("len-q", 3, 7, 0), queue("keep-q", 10, 0, 0),
+              queue("fenced-q", 5, 0, 0, vhost="other")]
+    report = {"run_id": "r-1", "now": 1_763_942_400.0, "dry_run": False, "mark_only": False, "queues": queues,
+              "totals": {k: sum(q[k] for q in queues) for k in
+                         ("removed_messages", "messages_before", "archived_messages")}}
+    path = tmp_path / "chart.png"
+    render(str(path), report)
+    assert path.read_bytes().startswith(b"\x89PNG\r\n\x1a\n")
+    with Image.open(path) as img:
+        img.load()  # decodes every row: a truncated or corrupt file raises here
+        assert img.format == "PNG"
+        assert img.size == chart_size(4) == (1200, 288)
+        colours = {c for _, c in img.convert("RGB").getcolors(maxcolors=1 << 20) or []}
+    assert (0x2E, 0x9F, 0x43) in colours and (0xD6, 0x27, 0x28) in colours  # kept and removed bars are drawn
+    assert chart_size(300)[1] > chart_size(4)[1]  # one row per queue

@@ -16,6 +16,7 @@ from core.engine.exchange import Binding, Exchange
 from core.engine.stream import StreamQueue
 from core.model.errors import BrokerError
 from core.model.message import Message, QueuedMessage
+from core.model.policy import Policy
 from core.ports.store import (
     Batch,
     BindingRecord,
@@ -107,6 +108,7 @@ class Durability:
         for vh in broker.vhosts.values():
             vh.durability = self
         await self.restore_users(broker)
+        await self.restore_policies(broker)  # before the queues, which declare with them applied
         for xr in topo.exchanges:
             vh = broker.add_vhost(xr.vhost)
             if xr.name not in vh.exchanges:
@@ -204,6 +206,23 @@ class Durability:
         for r in await self.store.load_users():
             broker.users[r.name] = User(r.name, r.salt, r.password_hash, tuple(r.tags), set(r.vhosts),
                                         r.loopback_only)  # fmt: skip
+
+    async def restore_policies(self, broker: Broker) -> None:
+        """Stored policies onto their vhosts (a policy of a vhost that is gone stays stored, unused)."""
+        for policy in await self.store.load_policies():
+            vh = broker.vhosts.get(policy.vhost)
+            if vh is not None:
+                vh.set_policy(policy, restoring=True)
+
+    def policy_changed(self, policy: Policy, cleared: bool) -> None:
+        """Policies are durable whatever they match; written in the topology FIFO of the group committer."""
+        if cleared:
+            self.committer.run(lambda: self._delete_policy(policy))
+        else:
+            self.committer.run(lambda: self.store.save_policy(policy))
+
+    async def _delete_policy(self, policy: Policy) -> None:
+        await self.store.delete_policy(policy.vhost, policy.name, policy.operator)
 
     # -- topology changes (called by the vhost) -------------------------------------
     def exchange_declared(self, vhost: VirtualHost, x: Exchange) -> None:

@@ -72,6 +72,7 @@ class GroupCommitter:
         self._task: asyncio.Task[None] | None = None
         self.commits = 0
         self.committed_ops = 0
+        self.commit_seconds = 0.0  # summed over commits: /metrics shows the mean latency
         self.failures = 0
         self.cancelled = 0  # appends never written: settled before their commit started
         self.last_error: str | None = None
@@ -298,6 +299,7 @@ class GroupCommitter:
                 self.last_error = str(exc)
             else:
                 elapsed = time.perf_counter() - started
+                self.commit_seconds += elapsed
                 if elapsed > 1.0:
                     log.warning("slow store commit", extra={"seconds": round(elapsed, 3), "ops": len(batch)})
         if error is None:

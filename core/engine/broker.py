@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING
 from core.engine import passwords
 from core.engine.direct_reply import ReplyRegistry
 from core.engine.login_throttle import LoginThrottle
+from core.engine.node_stats import NodeStats
 from core.engine.vhost import VirtualHost
 from core.model.clock import AsyncioScheduler, Scheduler
 from core.model.errors import AccessRefused, NotAllowed
@@ -20,6 +21,7 @@ if TYPE_CHECKING:
 
     from core.durable.durability import Durability
     from core.durable.group_commit import GroupCommitter
+    from core.model.policy import Policy
     from core.ports.coordinator import Coordinator
 
 
@@ -108,6 +110,7 @@ class Broker:
         self.vhosts: dict[str, VirtualHost] = {}
         self.users: dict[str, User] = {}
         self.reply_to = ReplyRegistry()
+        self.stats = NodeStats()  # message counters for /metrics (leveret/http/metrics.py)
         self.durability: Durability | None = None  # set when a store is configured
         self.committer: GroupCommitter | None = None
         # Set by the node's memory monitor; the front ends stop reading from publishers.
@@ -123,6 +126,8 @@ class Broker:
         self.recent_logins = passwords.RecentLogins()
         # Told when a login re-hashed a user's old password record: the node persists it.
         self.on_user_rehashed: list[Callable[[User], None]] = []
+        # Persists policies set through a vhost (core.durable.Durability.policy_changed): (policy, cleared).
+        self.policy_writer: Callable[[Policy, bool], None] | None = None
         self.add_vhost("/")
         if default_user is not None:
             name, password = default_user
@@ -153,7 +158,14 @@ class Broker:
         if vh is None:
             vh = self.vhosts[name] = VirtualHost(name, self.scheduler)
             vh.durability = self.durability
+            vh.policy_writer = self.policy_writer
         return vh
+
+    def set_policy_writer(self, writer: Callable[[Policy, bool], None] | None) -> None:
+        """Where policies set on any vhost, now or later, are written (single node and cluster alike)."""
+        self.policy_writer = writer
+        for vh in self.vhosts.values():
+            vh.policy_writer = writer
 
     def add_user(
         self,

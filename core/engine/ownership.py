@@ -120,7 +120,7 @@ class Lease:
     lease that never ends (a single node) has an infinite deadline.
     """
 
-    __slots__ = ("ttl", "margin", "deadline", "lost", "on_lost", "clock")
+    __slots__ = ("ttl", "margin", "deadline", "lost", "on_lost", "clock", "granted_at")
 
     def __init__(self, ttl: float = math.inf, margin: float = 0.0,
                  clock: Callable[[], float] = time.monotonic) -> None:
@@ -129,6 +129,7 @@ class Lease:
         self.clock = clock
         self.deadline = math.inf if ttl == math.inf else -math.inf
         self.lost = False
+        self.granted_at = -math.inf  # when the last refresh that counted was asked (lease age)
         # Called once when the lease is found past its deadline (or given up): stop serving everything.
         self.on_lost: Callable[[str], None] | None = None
 
@@ -142,6 +143,7 @@ class Lease:
         if deadline <= self.clock():
             return False  # asked before a pause: it says nothing about now
         self.deadline = max(self.deadline, deadline) if not self.lost else deadline
+        self.granted_at = max(self.granted_at, asked_at)
         self.lost = False
         return True
 

@@ -30,6 +30,7 @@ if TYPE_CHECKING:
 REJECTED = "rejected"
 EXPIRED = "expired"
 MAXLEN = "maxlen"
+DELIVERY_LIMIT = "delivery_limit"
 
 
 class ConsumerSink(Protocol):
@@ -343,6 +344,8 @@ class QueueChannel:
         if lease is not None:
             lease.valid()  # as settle: a queue given up takes nothing back
         back: list[QueuedMessage] = []
+        over: list[QueuedMessage] = []  # returned more often than x-delivery-limit
+        limit = self.queue.args.delivery_limit
         for qm, consumer in items:
             self.unacked -= 1
             if consumer is not None:
@@ -360,11 +363,16 @@ class QueueChannel:
                 if qm.persisted:
                     self.queue.forget(qm)
                 continue
+            if limit is not None and qm.delivery_count > limit and self.queue.remote is None:
+                over.append(qm)
+                continue
             qm.redelivered = True
             back.append(qm)
             self.ready_bytes += len(qm.message.body)
             if qm.persisted:
                 self.queue.storage.delivery_count(qm)  # type: ignore[union-attr]
+        if over:
+            self.queue.drop(over, DELIVERY_LIMIT)
         if not back:
             return
         back.sort(key=_offset)
@@ -589,6 +597,23 @@ class Queue:
                 dropped.append(ch.drop_head())
             if dropped:
                 self.drop(dropped, MAXLEN)
+
+    def apply_args(self, args: QueueArgs) -> None:
+        """Policies changed what this queue enforces (core/engine/policy.py): from now on, as RabbitMQ.
+
+        Limits apply at once (a queue over a new max-length drops its head now);
+        a new message TTL applies to messages enqueued from now on.
+        """
+        if args == self.args:
+            return
+        old, self.args = self.args, args
+        self._ttl_ms = args.message_ttl
+        self._limited = args.max_length is not None or args.max_length_bytes is not None
+        if args.expires != old.expires:
+            self.cancel_expiry()
+            self.touch()
+        if self._limited and self.remote is None and not self.deleted:
+            self._drop_over_limit()
 
     def forget(self, qm: QueuedMessage) -> None:
         """``qm`` left the queue for good: remove it from the store."""

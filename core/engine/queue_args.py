@@ -24,6 +24,7 @@ class QueueArgs:
     single_active_consumer: bool = False
     queue_type: str = "classic"
     max_age: float | None = None  # seconds; streams only (x-max-age)
+    delivery_limit: int | None = None  # a message returned more often than this is dead-lettered
 
 
 def _type_name(value: Any) -> str:
@@ -102,6 +103,7 @@ def parse_queue_args(arguments: dict[str, Any], queue: str, vhost: str) -> Queue
         max_priority=max_priority,
         single_active_consumer=sac,
         queue_type=queue_type,
+        delivery_limit=integer("x-delivery-limit", 0),
     )
 
 
@@ -117,6 +119,7 @@ KNOWN = frozenset(
         "x-max-priority",
         "x-single-active-consumer",
         "x-queue-type",
+        "x-delivery-limit",
         # Storage hints with no meaning for an in-memory classic queue; accepted
         # because RabbitMQ tooling sets them routinely.
         "x-queue-mode",

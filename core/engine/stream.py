@@ -42,6 +42,7 @@ from core.model.message import Message, QueuedMessage
 
 if TYPE_CHECKING:
     from core.cluster.stream_proxy import RemoteStreamReader
+    from core.engine.queue_args import QueueArgs
 
 # A reader behind the in-memory log reads this many messages from the store at once,
 # fewer when their bodies add up to PAGE_BYTES (1 MiB bodies: 4 a page, not 5000).
@@ -226,6 +227,21 @@ class StreamQueue(Queue):
             self.mem_bytes -= size
             head += 1
         self._drop_to(head)
+
+    def apply_args(self, args: QueueArgs) -> None:
+        """A policy changed the stream's retention (max-length-bytes, max-age): apply it now."""
+        if args == self.args:
+            return
+        self.args = args
+        if self.remote is not None or self.deleted:
+            return
+        if args.max_length_bytes is not None and self.log_bytes > args.max_length_bytes:
+            self._trim_to_bytes(args.max_length_bytes)
+        if self._age_timer is not None:
+            self._age_timer.cancel()
+            self._age_timer = None
+        self.enforce_age()
+        self._arm_age()
 
     def enforce_age(self) -> None:
         """Remove messages older than x-max-age."""

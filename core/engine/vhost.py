@@ -10,14 +10,15 @@ from typing import TYPE_CHECKING, Any
 
 from core.engine import dead_letter
 from core.engine.exchange import Binding, Destination, Exchange, make_exchange
-from core.engine.policy_store import PolicyDefinition
+from core.engine.policy import effective_alternate, effective_queue_args
 from core.engine.queue import Queue
-from core.engine.queue_args import parse_queue_args
+from core.engine.queue_args import QueueArgs, parse_queue_args
 from core.engine.stream import StreamQueue
 from core.engine.stream_args import check_stream_declare
 from core.model.clock import AsyncioScheduler, Scheduler
 from core.model.errors import AccessRefused, NotFound, PreconditionFailed, ResourceLocked
 from core.model.message import Message, QueuedMessage
+from core.model.policy import Policy, select
 
 if TYPE_CHECKING:
     from core.durable.durability import Durability
@@ -63,21 +64,21 @@ class VirtualHost:
         self.on_queue_declared: list[Callable[[Queue], None]] = []
         # Observers of an auto-delete exchange dropped because its last binding went (the cluster).
         self.on_exchange_auto_deleted: list[Callable[[VirtualHost, Exchange], None]] = []
+        # Policies (core/model/policy.py), applied to live queues and exchanges as they change.
+        self.policies: dict[str, Policy] = {}
+        self.operator_policies: dict[str, Policy] = {}
+        self.policy_alternates: dict[str, str] = {}  # exchange -> alternate exchange set by a policy
+        # Writes a policy set or cleared here to the store (every node reads them from there:
+        # leveret/policy_watch.py); set by the broker (Broker.policy_writer). (policy, cleared).
+        self.policy_writer: Callable[[Policy, bool], None] | None = None
+        # Observers of a policy set or cleared here through this vhost.
+        self.on_policy_changed: list[Callable[[VirtualHost, Policy], None]] = []
         for xname, xtype in STANDARD_EXCHANGES:
             self.exchanges[xname] = make_exchange(xtype, xname, durable=True)
-        # Policies set through the management API (core/engine/policy_store.py); whoever
-        # applies them listens in on_policies_changed (called after every change).
-        self.policies: dict[str, PolicyDefinition] = {}
-        self.operator_policies: dict[str, PolicyDefinition] = {}
-        self.on_policies_changed: list[Callable[[VirtualHost], None]] = []
         # Runtime parameters (/api/parameters): (component, name) -> value.
         self.parameters: dict[tuple[str, str], Any] = {}
         self.description = ""
         self.tags: tuple[str, ...] = ()
-
-    def policies_changed(self) -> None:
-        for observer in list(self.on_policies_changed):
-            observer(self)
 
     # -- lookups ---------------------------------------------------------------
     def get_exchange(self, name: str) -> Exchange:
@@ -125,6 +126,7 @@ class VirtualHost:
                 type_, name, durable=durable, auto_delete=auto_delete, internal=internal, arguments=arguments
             )
             self.exchanges[name] = x
+            self._apply_exchange_policy(x)
             if self.durability is not None and not restoring:
                 self.durability.exchange_declared(self, x)
             log.debug("exchange declared", extra={"vhost": self.name, "exchange": name, "type": type_})
@@ -177,6 +179,7 @@ class VirtualHost:
         """Remove ``x`` and every binding to it, with no checks (a coordinator applying a delete it agreed)."""
         x.deleted = True
         self.exchanges.pop(x.name, None)
+        self.policy_alternates.pop(x.name, None)
         x.bindings.clear()
         if self.durability is not None:
             self.durability.exchange_deleted(self, x)
@@ -208,6 +211,7 @@ class VirtualHost:
             if name.startswith("amq.") and not generated and not restoring:
                 raise AccessRefused(f"queue name '{name}' contains reserved prefix 'amq.*'")
             args = parse_queue_args(arguments, name, self.name)
+            args = self._queue_args_with_policies(name, arguments, args)
             kind: type[Queue] = Queue
             if args.queue_type == "stream":
                 check_stream_declare(name, self.name, durable and not generated, exclusive, auto_delete)
@@ -356,6 +360,70 @@ class VirtualHost:
             for observer in list(self.on_exchange_auto_deleted):
                 observer(self, x)
 
+    # -- policies --------------------------------------------------------------
+    def set_policy(self, policy: Policy, restoring: bool = False) -> None:
+        """Add or replace a (user or operator) policy and apply it to existing queues and exchanges now."""
+        if policy.vhost != self.name:
+            raise ValueError(f"policy {policy.name!r} belongs to vhost {policy.vhost!r}, not {self.name!r}")
+        table = self.operator_policies if policy.operator else self.policies
+        if table.get(policy.name) == policy:
+            return
+        table[policy.name] = policy
+        self._policies_changed(policy, restoring)
+
+    def clear_policy(self, name: str, operator: bool = False, restoring: bool = False) -> bool:
+        """Remove a policy; what it set falls back to the next policy or the queue's arguments. False: none."""
+        table = self.operator_policies if operator else self.policies
+        policy = table.pop(name, None)
+        if policy is None:
+            return False
+        self._policies_changed(policy, restoring, cleared=True)
+        return True
+
+    def _policies_changed(self, policy: Policy, restoring: bool, cleared: bool = False) -> None:
+        if self.policy_writer is not None and not restoring:
+            self.policy_writer(policy, cleared)
+        self.apply_policies()
+        log.info("policy cleared" if cleared else "policy set",
+                 extra={"vhost": self.name, "policy": policy.name, "operator": policy.operator})
+        if not restoring:
+            for observer in list(self.on_policy_changed):
+                observer(self, policy)
+
+    def policies_of(self, q: Queue) -> tuple[Policy | None, Policy | None]:
+        """The policy and the operator policy that apply to ``q`` (RabbitMQ's ``policy``, ``operator_policy``)."""
+        stream = q.args.queue_type == "stream"
+        return (select(self.policies.values(), "queue", q.name, stream),
+                select(self.operator_policies.values(), "queue", q.name, stream))
+
+    def policy_of_exchange(self, x: Exchange) -> Policy | None:
+        return select(self.policies.values(), "exchange", x.name) if x.name else None
+
+    def apply_policies(self) -> None:
+        """Recompute what every queue and exchange enforces from its arguments and the policies now."""
+        for q in list(self.queues.values()):
+            if q.deleted:
+                continue
+            parsed = parse_queue_args(q.arguments, q.name, self.name)  # accepted at declare: no error here
+            q.apply_args(self._queue_args_with_policies(q.name, q.arguments, parsed))
+        self.policy_alternates.clear()
+        for x in self.exchanges.values():
+            self._apply_exchange_policy(x)
+
+    def _queue_args_with_policies(self, name: str, arguments: dict[str, Any], parsed: QueueArgs) -> QueueArgs:
+        if not self.policies and not self.operator_policies:
+            return parsed
+        stream = parsed.queue_type == "stream"
+        return effective_queue_args(parsed, arguments, select(self.policies.values(), "queue", name, stream),
+                                    select(self.operator_policies.values(), "queue", name, stream))
+
+    def _apply_exchange_policy(self, x: Exchange) -> None:
+        if not self.policies:
+            return
+        ae = effective_alternate({}, self.policy_of_exchange(x))
+        if ae is not None:
+            self.policy_alternates[x.name] = ae
+
     # -- dead-lettering --------------------------------------------------------
     def _dead_letter(self, queue: Queue, messages: list[QueuedMessage], reason: str) -> None:
         dlx_name = queue.args.dead_letter_exchange
@@ -412,6 +480,8 @@ class VirtualHost:
             ae_name = current.arguments.get("alternate-exchange")
             if isinstance(ae_name, bytes):
                 ae_name = ae_name.decode("utf-8", "replace")
+            if ae_name is None:
+                ae_name = self.policy_alternates.get(current.name)
             if not isinstance(ae_name, str) or ae_name in seen:
                 return []
             ae = self.exchanges.get(ae_name)

@@ -208,6 +208,9 @@ class Subscription:
         if not self.auto_ack:
             self.unacked[did] = qm
             self.api.deliveries[did] = self
+            self.api.broker.stats.delivered_consume_manual_ack += 1
+        else:
+            self.api.broker.stats.delivered_consume_auto_ack += 1
         self.pending.append((did, qm))
         self.wakeup.set()
 
@@ -219,6 +222,7 @@ class Subscription:
     def settle(self, did: int) -> None:
         qm = self.unacked.pop(did)
         self.qch.settle(qm, self.consumer)
+        self.api.broker.stats.acknowledged += 1
 
     def take_batch(self) -> pb.SubscribeResponse:
         response = pb.SubscribeResponse()
@@ -459,6 +463,7 @@ class BrokerServicer(pb_grpc.BrokerServicer):
         message = Message("", req.topic, props, req.content, summary, self.broker.node_id)
         message.id  # noqa: B018 - fixed now (ids are lazy): the reply names it, and a forward carries it
         offset = q.next_offset
+        self.broker.stats.received += 1
         if not q.enqueue(message):
             raise ApiError(grpc.StatusCode.RESOURCE_EXHAUSTED, f"queue '{q.name}' is full (x-overflow)")
         if q.remote is not None:

@@ -15,6 +15,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
+from core.model.policy import Policy
+
 
 class StoreError(Exception):
     """The store failed (unreachable, I/O error): the batch was not committed."""
@@ -175,6 +177,15 @@ class MessageStore(Protocol):
     async def delete_vhost(self, name: str) -> bool:
         """Also deletes everything in it: exchanges, queues, bindings, messages, epochs."""
         ...
+
+    # -- policies (set through the vhost, by the management API or ``leveret retention policy``) --
+    async def load_policies(self) -> list[Policy]:
+        """Every stored policy, user and operator, of every vhost (polled by a node each second)."""
+        ...
+
+    async def save_policy(self, policy: Policy) -> None: ...
+
+    async def delete_policy(self, vhost: str, name: str, operator: bool) -> bool: ...
 
     # -- ownership and messages --------------------------------------------------
     async def claim(self, vhost: str, queue: str, epoch: int | None = None) -> int:

@@ -1,1 +1,1 @@
-"""The node's HTTP side: the management API and console (server.py) and the Prometheus endpoint."""
+"""A node's HTTP listeners: the management API and console (server.py) and the Prometheus endpoint (metrics.py)."""

@@ -13,8 +13,8 @@ from typing import TYPE_CHECKING, Any
 from aiohttp import web
 
 from core.engine.broker import RABBIT_SHA256, Permission, User
-from core.engine.policy_store import APPLY_TO, PolicyDefinition
 from core.engine.stats import QUEUE_FIELDS, queue_counters
+from core.model.policy import Policy, PolicyError
 from leveret import __version__
 from leveret.http import listing, metadata
 from leveret.http.errors import bad_request, not_found
@@ -464,64 +464,56 @@ def _operator(call: Call) -> bool:
     return call.request.path.startswith("/api/operator-policies")
 
 
-def _store(vh: VirtualHost, operator: bool) -> dict[str, PolicyDefinition]:
+def _store(vh: VirtualHost, operator: bool) -> dict[str, Policy]:
     return vh.operator_policies if operator else vh.policies
 
 
 async def policies(call: Call) -> Any:
     operator = _operator(call)
     vhosts = [call.vhost()] if "vhost" in call.params else call.visible_vhosts()
-    return listing.apply([p.as_json() for vh in vhosts for p in _store(vh, operator).values()], call.query)
+    return listing.apply([p.as_rabbitmq() for vh in vhosts for p in _store(vh, operator).values()], call.query)
 
 
 async def policy_get(call: Call) -> dict[str, Any]:
     policy = _store(call.vhost(), _operator(call)).get(call.params["name"])
     if policy is None:
         raise not_found(f"policy '{call.params['name']}' not found")
-    return policy.as_json()
+    return policy.as_rabbitmq()
 
 
 POLICY_FIELDS = frozenset({"pattern", "definition", "priority", "apply-to", "name", "vhost", "component"})
 
 
-def policy_from_json(vhost: str, name: str, body: dict[str, Any]) -> PolicyDefinition:
+def policy_from_json(vhost: str, name: str, body: dict[str, Any], operator: bool = False) -> Policy:
     """A validated policy (400 naming what is wrong); nothing is stored here."""
-    if not name:
-        raise bad_request("a policy needs a name")
     pattern = check_regex(body.get("pattern"), "pattern")
-    definition = body.get("definition")
-    if not isinstance(definition, dict) or not definition:
-        raise bad_request("definition must be a non-empty JSON object")
     priority = body.get("priority", 0)
     if isinstance(priority, str):
         try:
             priority = int(priority)
         except ValueError:
             raise bad_request(f"priority must be an integer, got {priority!r}") from None
-    if not isinstance(priority, int) or isinstance(priority, bool):
-        raise bad_request("priority must be an integer")
-    apply_to = body.get("apply-to") or "all"
-    if apply_to not in APPLY_TO:
-        raise bad_request(f"apply-to must be one of {', '.join(APPLY_TO)}, got {apply_to!r}")
-    return PolicyDefinition(name, vhost, pattern, dict(definition), priority, apply_to)
+    try:
+        return Policy.create(vhost, name, pattern, body.get("definition"),  # type: ignore[arg-type]
+                             apply_to=body.get("apply-to") or "all", priority=priority, operator=operator)
+    except PolicyError as exc:
+        raise bad_request(str(exc)) from None
 
 
 async def policy_put(call: Call) -> web.Response:
     body = await call.body(POLICY_FIELDS)
     vh = call.vhost(write=True)
-    policy = policy_from_json(vh.name, call.params["name"], body)
-    store = _store(vh, _operator(call))
-    existed = policy.name in store
-    store[policy.name] = policy
-    vh.policies_changed()
+    operator = _operator(call)
+    policy = policy_from_json(vh.name, call.params["name"], body, operator)
+    existed = policy.name in _store(vh, operator)
+    vh.set_policy(policy)  # applied to live queues and exchanges, stored, seen by every node
     return created(existed)
 
 
 async def policy_delete(call: Call) -> web.Response:
     vh = call.vhost(write=True)
-    if _store(vh, _operator(call)).pop(call.params["name"], None) is None:
+    if not vh.clear_policy(call.params["name"], operator=_operator(call)):
         raise not_found(f"policy '{call.params['name']}' not found")
-    vh.policies_changed()
     return no_content()
 
 

@@ -14,6 +14,7 @@ from core.engine.queue import Queue
 from core.engine.topic import topic_matches
 from core.model import properties
 from core.model.message import Message
+from core.model.policy import Policy
 from leveret.http import declare, listing
 from leveret.http.errors import bad_request, not_found
 from leveret.http.responses import created, json_response, no_content
@@ -118,7 +119,12 @@ async def queues(call: Call) -> Any:
     node, rates = call.node_name, call.api.rates
     qs = _queues_of(call)
     counts = await owner_counts(call, qs)
-    return listing.apply([queue_json(q, node, rates, counts.get(id(q))) for q in qs], call.query)
+    return listing.apply([queue_json(q, node, rates, counts.get(id(q)), _policies(call, q)) for q in qs], call.query)
+
+
+def _policies(call: Call, q: Queue) -> tuple[Policy | None, Policy | None]:
+    vh = call.broker.vhosts.get(q.vhost)
+    return vh.policies_of(q) if vh is not None else (None, None)
 
 
 def _queue(call: Call, write: bool = False) -> tuple[VirtualHost, Queue]:
@@ -132,7 +138,7 @@ def _queue(call: Call, write: bool = False) -> tuple[VirtualHost, Queue]:
 async def queue_get(call: Call) -> dict[str, Any]:
     _, q = _queue(call)
     counts = await owner_counts(call, [q])
-    return queue_json(q, call.node_name, call.api.rates, counts.get(id(q)))
+    return queue_json(q, call.node_name, call.api.rates, counts.get(id(q)), _policies(call, q))
 
 
 QUEUE_FIELDS = frozenset({"durable", "auto_delete", "arguments", "node", "name", "vhost", "queue_type", "type",

@@ -13,9 +13,9 @@ from typing import TYPE_CHECKING, Any
 from aiohttp import web
 
 from core.engine.broker import Permission, User
-from core.engine.policy_store import PolicyDefinition
 from core.engine.vhost import VirtualHost
 from core.model.errors import BrokerError
+from core.model.policy import Policy
 from leveret import __version__
 from leveret.http import declare, metadata
 from leveret.http.api_admin import (
@@ -80,7 +80,7 @@ async def export(call: Call) -> Any:
         out["global_parameters"] = [{"name": "cluster_name", "value": call.node.config.cluster}]
     out["parameters"] = [{"vhost": vh.name, "component": c, "name": n, "value": v}
                          for vh in vhosts for (c, n), v in vh.parameters.items()]
-    out["policies"] = [p.as_json() for vh in vhosts for p in vh.policies.values()]
+    out["policies"] = [p.as_rabbitmq() for vh in vhosts for p in vh.policies.values()]
     out["queues"] = [{"name": q.name, "vhost": vh.name, "durable": q.durable, "auto_delete": q.auto_delete,
                       "arguments": jsonable(q.arguments)}
                      for vh in vhosts for q in vh.queues.values() if not q.exclusive]
@@ -138,7 +138,7 @@ class Plan:
         self.users: list[User] = []
         self.permissions: list[tuple[str, str, Permission]] = []
         self.topic_permissions: list[tuple[str, str, str, str, str]] = []
-        self.policies: list[PolicyDefinition] = []
+        self.policies: list[Policy] = []
         self.parameters: list[tuple[str, str, str, Any]] = []
         self.queues: list[tuple[str, str, bool, bool, dict[str, Any]]] = []
         self.exchanges: list[tuple[str, str, str, bool, bool, bool, dict[str, Any]]] = []
@@ -288,12 +288,8 @@ async def apply_plan(call: Call, plan: Plan) -> None:
         broker.users[user_name].topic_permissions.setdefault(vhost, {})[exchange] = (write, read)
     for user in changed.values():
         await save_user(call, user)
-    touched: set[str] = set()
     for policy in plan.policies:
-        broker.vhosts[policy.vhost].policies[policy.name] = policy
-        touched.add(policy.vhost)
-    for vhost in touched:
-        broker.vhosts[vhost].policies_changed()
+        broker.vhosts[policy.vhost].set_policy(policy)
     for vhost, component, name, value in plan.parameters:
         broker.vhosts[vhost].parameters[(component, name)] = value
     for vhost, name, type_, durable, auto_delete, internal, args in plan.exchanges:

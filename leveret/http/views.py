@@ -12,9 +12,11 @@ from typing import TYPE_CHECKING, Any
 from urllib.parse import quote, quote_plus
 
 from core.engine.exchange import Binding, Exchange
+from core.engine.policy import effective_definition
 from core.engine.queue import Queue
 from core.engine.stats import exchange_counters, queue_counters
 from core.engine.stream import StreamQueue
+from core.model.policy import Policy
 
 if TYPE_CHECKING:
     from amqp_frontend.channel import Channel
@@ -45,22 +47,24 @@ def queue_counts(q: Queue) -> tuple[int, int, int]:
     return len(ch.ready), ch.unacked, len(ch.consumers)
 
 
-def queue_json(q: Queue, node: str, rates: RateSampler,
-               owner_counts: tuple[int, int] | None = None) -> dict[str, Any]:
-    """``owner_counts``: (messages ready, consumers) from the owner of a queue another node owns."""
+def queue_json(q: Queue, node: str, rates: RateSampler, owner_counts: tuple[int, int] | None = None,
+               policies: tuple[Policy | None, Policy | None] = (None, None)) -> dict[str, Any]:
+    """``owner_counts``: (messages ready, consumers) from the owner of a queue another node owns;
+    ``policies``: the (policy, operator policy) that apply to it (``VirtualHost.policies_of``)."""
     ready, unacked, consumers = queue_counts(q)
     if q.remote is not None:
         node = q.remote.owner or node
         if owner_counts is not None:
             ready, unacked, consumers = owner_counts[0], 0, owner_counts[1]
-    policy = getattr(q, "policy_name", None)  # set by whatever applies policies, if anything does
+    policy, operator = policies
     return {
         "name": q.name, "vhost": q.vhost, "durable": q.durable, "auto_delete": q.auto_delete,
         "exclusive": q.exclusive, "arguments": jsonable(q.arguments), "node": node,
         "type": "stream" if isinstance(q, StreamQueue) else "classic", "state": "running",
         "messages": ready + unacked, "messages_ready": ready, "messages_unacknowledged": unacked,
         "message_bytes_ready": q.default.ready_bytes, "consumers": consumers,
-        "policy": policy, "exclusive_consumer_tag": None,
+        "policy": policy.name if policy else None, "operator_policy": operator.name if operator else None,
+        "effective_policy_definition": effective_definition(policy, operator), "exclusive_consumer_tag": None,
         "message_stats": rates.queue_stats(q.vhost, q.name, queue_counters(q)),
     }
 

@@ -1,0 +1,80 @@
+"""Policies written to the store by someone else, applied to this node's live queues within a second.
+
+Who writes policies without going through this node's vhosts: another node of
+the cluster (they share Postgres), and ``leveret retention policy set`` (which
+writes the store directly). This task reads the store's policies every
+``poll`` seconds and applies what changed *between two reads of the store*,
+not the difference between the store and memory: a policy this node set a
+moment ago and whose write is still in the group committer's queue is then
+never undone by a read that predates it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+
+from core.engine.broker import Broker
+from core.model.policy import Policy
+from core.ports.store import MessageStore, StoreError
+
+log = logging.getLogger("leveret.policies")
+
+Key = tuple[str, bool, str]  # (vhost, operator, name)
+
+
+class PolicyWatch:
+    def __init__(self, broker: Broker, store: MessageStore, poll: float = 0.5) -> None:
+        self.broker = broker
+        self.store = store
+        self.poll = poll
+        self.applied = 0  # changes taken from the store (for tests and logs)
+        self._seen: dict[Key, Policy] = {}
+        self._task: asyncio.Task[None] | None = None
+
+    async def start(self) -> None:
+        self._seen = await self._read()  # what start-up restored already
+        self._task = asyncio.create_task(self._run())
+
+    async def stop(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            try:
+                await self._task
+            except asyncio.CancelledError:
+                pass
+
+    async def _read(self) -> dict[Key, Policy]:
+        return {(p.vhost, p.operator, p.name): p for p in await self.store.load_policies()}
+
+    async def _run(self) -> None:
+        failing = False
+        while True:
+            await asyncio.sleep(self.poll)
+            try:
+                current = await self._read()
+            except StoreError as exc:
+                if not failing:
+                    log.warning("policies unavailable from the store; retrying", extra={"error": str(exc)})
+                    failing = True
+                continue
+            failing = False
+            self.apply_changes(current)
+
+    def apply_changes(self, current: dict[Key, Policy]) -> None:
+        seen = self._seen
+        for key, policy in current.items():
+            if seen.get(key) == policy:
+                continue
+            vh = self.broker.vhosts.get(policy.vhost)
+            if vh is None:
+                current = {k: v for k, v in current.items() if k != key}  # retried once the vhost exists
+                continue
+            vh.set_policy(policy, restoring=True)
+            self.applied += 1
+        for key in seen.keys() - current.keys():
+            vhost, operator, name = key
+            vh = self.broker.vhosts.get(vhost)
+            if vh is not None and vh.clear_policy(name, operator, restoring=True):
+                self.applied += 1
+        self._seen = current
