@@ -37,7 +37,7 @@ from coordination.keys import Layout, decode_args, dumps, encode_args, loads, us
 from core.cluster.forwarding import LoadingGate, NodeService, NotOwner, Peers, QueueRemote
 from core.durable.durability import Durability, QueueStorage
 from core.durable.group_commit import GroupCommitter
-from core.engine import direct_reply
+from core.engine import direct_reply, publish
 from core.engine.broker import Broker, User
 from core.engine.exchange import Exchange
 from core.engine.queue import Queue
@@ -659,17 +659,12 @@ class EtcdCluster:
                                          "ms": round((time.monotonic() - started) * 1000, 1)})
 
     def _flush_held(self, q: Queue, held: list[Any]) -> None:
+        # Publishes held while the queue loaded: enqueued now, answered by the one confirm rule.
         committer = self.committer
         for message, cbs in held:
-            ok = q.enqueue(message)
-            if not cbs:
-                continue
-            if ok and q.storage is not None and message.summary.delivery_mode == 2:
-                for cb in cbs:
-                    committer.when_committed(functools.partial(_answer_committed, cb))
-            else:
-                for cb in cbs:
-                    cb(ok)
+            outcome = publish.publish_to(q, message, committer, track=bool(cbs))
+            for cb in cbs:
+                outcome.on_settled(cb)
 
     def _release(self, vq: tuple[str, str], new_owner: str | None) -> None:
         """Stop serving a queue (lease lost, fenced, moved): its stored data stays for the next owner."""
@@ -1181,10 +1176,6 @@ class EtcdCluster:
 
 class ClusterUnavailable(BrokerError):
     code = 541  # internal error class: the client sees a clear text and may retry
-
-
-def _answer_committed(cb: Callable[[bool], None], error: BaseException | None) -> None:
-    cb(error is None)
 
 
 def _first_value(responses: Any) -> dict[str, Any] | None:

@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 import grpc
 
-from core.engine import direct_reply
+from core.engine import direct_reply, publish
 from core.engine.queue import Consumer, QueueChannel
 from core.engine.stream import StreamQueue
 from core.engine.stream_args import parse_reader
@@ -1036,7 +1036,9 @@ class NodeService(pb_grpc.NodeServicer):
         loop = asyncio.get_running_loop()
         fut: asyncio.Future[pb.ForwardResult] = loop.create_future()
         accepted: list[bool] = []
-        stored = False
+        # One outcome for the whole batch: answered once the messages that the
+        # confirm rule says wait for the commit (core/engine/publish.py) are committed.
+        outcome = publish.Outcome()
         node = self.broker.node_id
         queues: dict[tuple[str, str], Queue | None] = {}
         for vhost, queue, messages in unpack_forwarded(batch.packed, node):
@@ -1053,22 +1055,16 @@ class NodeService(pb_grpc.NodeServicer):
             if q is None or q.remote is not None or q.deleted:
                 accepted += [False] * len(messages)
                 continue
-            oks = q.enqueue_many(messages)
-            accepted += oks
-            if q.storage is not None and not stored:
-                stored = any(ok and m.summary.delivery_mode == 2 for ok, m in zip(oks, messages, strict=True))
+            accepted += publish.enqueue_batch(q, messages, outcome)
         result = pb.ForwardResult(seq=batch.seq, accepted=accepted)
-        committer = self.broker.committer
-        if stored and committer is not None:
-            def committed(error: BaseException | None) -> None:
-                if error is not None:
-                    result.error = f"store: {error}"
-                if not fut.done():
-                    fut.set_result(result)
 
-            committer.when_committed(committed)
-        else:
-            fut.set_result(result)
+        def settled(ok: bool) -> None:
+            if not ok:
+                result.error = outcome.error or "store: not committed"
+            if not fut.done():
+                fut.set_result(result)
+
+        outcome.seal(self.broker.committer).on_settled(settled)
         return fut
 
     async def Forward(  # noqa: N802 - gRPC method name

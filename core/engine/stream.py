@@ -153,6 +153,10 @@ class StreamQueue(Queue):
         pos = bisect.bisect_left(self.entries, spec.value, self.head, len(self.entries), key=_timestamp)
         return self.entries[pos].offset if pos < len(self.entries) else self.next_offset
 
+    def stores(self, message: Message) -> bool:
+        """Everything in a stream is stored, whatever its delivery mode (as in RabbitMQ)."""
+        return True
+
     def enqueue(self, message: Message) -> bool:
         if self.remote is not None:  # cluster: another node owns the stream
             self.remote.forward(message)

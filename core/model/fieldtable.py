@@ -3,7 +3,7 @@
 The core owns the canonical message format (message properties are stored and
 forwarded in their AMQP encoding), so it needs this codec itself rather than
 borrowing the front end's. Type tags follow RabbitMQ, which is what every
-client speaks: t b B s u I i l f d D S A T F V x.
+client speaks: t b B s u I i l f d D S A T F V x (and the spec grammar's U and L).
 
 Decoding is iterative (an explicit stack of open tables and arrays), so no
 input can exhaust Python's stack, and every read is checked against the end
@@ -62,6 +62,10 @@ _FIXED: dict[int, tuple[int, struct.Struct | None]] = {
     0x44: (5, None),  # D decimal: scale octet, signed 32 value
     0x54: (8, _u64),  # T timestamp, seconds
     0x56: (0, None),  # V void
+    # Only in the 0-9-1 spec grammar (no RabbitMQ client sends them), accepted
+    # because a message carrying them is passed through byte for byte.
+    0x55: (2, _i16),  # U signed 16
+    0x4C: (8, _i64),  # L signed 64
 }
 _TABLE, _ARRAY, _LONGSTR, _BYTES = 0x46, 0x41, 0x53, 0x78
 

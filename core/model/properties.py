@@ -186,7 +186,10 @@ def encode(props: dict[str, Any]) -> bytes:
         elif kind == "table":
             parts.append(encode_table(value))
         else:
-            parts.append(_u64.pack(int(value)))
+            try:
+                parts.append(_u64.pack(int(value)))
+            except struct.error as exc:
+                raise PropertiesError(f"property {name} {value} does not fit in 64 bits") from exc
     return _u16.pack(flags) + b"".join(parts)
 
 
