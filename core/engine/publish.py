@@ -193,6 +193,8 @@ def publish(broker: Broker, vhost: VirtualHost, exchange: Exchange | None, messa
         # The default exchange: the routing key names the queue.
         q = vhost.queues.get(routing_key)
         if q is not None:
+            if not track:  # the commonest publish, kept to one call (bench.inprocess)
+                return ROUTED if q.enqueue(message) else REFUSED
             return _enqueue((q,), message, broker.committer, track)
         if routing_key.startswith(direct_reply.PREFIX):
             return ROUTED if broker.reply_to.deliver(routing_key, message) else UNROUTED
