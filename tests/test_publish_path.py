@@ -7,12 +7,14 @@ two in-process brokers forwarding over real gRPC (as tests/test_forwarding.py).
 from __future__ import annotations
 
 import asyncio
+import struct
 from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
 import grpc
 import pytest
+from pamqp import commands, frame
 
 from core.cluster.forwarding import NodeService, Peers, QueueRemote
 from core.durable.durability import Durability
@@ -24,6 +26,7 @@ from core.grpc_api import internal_pb2_grpc
 from core.model import properties
 from core.model.message import Message
 from persistence.sqlite import SQLiteStore
+from tests.amqp_client import connected
 
 PERSISTENT = properties.encode({"delivery_mode": 2})
 TRANSIENT = properties.encode({"delivery_mode": 1})
@@ -174,3 +177,39 @@ async def test_owner_refusal_fails_the_outcome(cluster: Any) -> None:
     outcome = _send(a, "full", PERSISTENT)
     assert await asyncio.wait_for(outcome.wait(), 5) is False
     assert outcome.error is not None and "owner" in outcome.error
+
+
+# -- the AMQP front end: refused at the door, without sockets -------------------------------------
+
+
+def _bad_header(body: bytes, table: bytes) -> bytes:
+    """A content header whose headers table is ``table`` (flags: headers + delivery mode 2)."""
+    payload = struct.pack(">HHQH", 60, 0, len(body), 0x2000 | 0x1000) + table + b"\x02"
+    return struct.pack(">BHI", 2, 1, len(payload)) + payload + b"\xce"
+
+
+def _body_frame(body: bytes) -> bytes:
+    return struct.pack(">BHI", 3, 1, len(body)) + body + b"\xce"
+
+
+UNKNOWN_TAG = b"\x00\x00\x00\x04\x01kZ\x00"
+
+
+@pytest.mark.parametrize("split", [False, True], ids=["whole-publish", "frame-by-frame"])
+def test_amqp_publish_with_malformed_headers_closes_only_its_connection_with_502(split: bool) -> None:
+    broker = Broker()
+    bad, good = connected(broker), connected(broker)
+    good.declare_queue(1, "q")
+    method = frame.marshal(commands.Basic.Publish(exchange="", routing_key="q"), 1)
+    if split:  # the header alone: refused before the body arrives
+        bad.send_raw(method)
+        bad.send_raw(_bad_header(b"x", UNKNOWN_TAG))
+    else:  # method, header and body in one read: the connection's fast path
+        bad.send_raw(method + _bad_header(b"x", UNKNOWN_TAG) + _body_frame(b"x"))
+    closes = [v for ch, v in bad.read() if ch == 0 and isinstance(v, commands.Connection.Close)]
+    assert len(closes) == 1
+    close = closes[0]
+    assert close.reply_code == 502 and close.reply_text.startswith("SYNTAX_ERROR - headers do not decode")
+    assert broker.vhosts["/"].queues["q"].message_count == 0
+    good.publish(1, b"fine", routing_key="q", properties=commands.Basic.Properties(headers={"a": {"b": [1]}}))
+    assert broker.vhosts["/"].queues["q"].message_count == 1
