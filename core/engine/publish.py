@@ -43,17 +43,15 @@ if TYPE_CHECKING:
 Settled = Callable[[bool], None]
 
 
-def check(props: bytes, summary: properties.PropertySummary) -> None:
-    """Refuse a message whose properties do not decode (502 SYNTAX_ERROR).
-
-    ``properties.scan`` (which made ``summary``) checked the property list;
-    this walks the headers table, nesting and bounds included, without
-    building it. Called once when a front end accepts a message, so routing,
-    the headers exchange, dead-lettering, expiry, the stores and consumers
-    never meet malformed bytes. A message without headers costs nothing here:
-    callers test ``summary.headers_at >= 0`` first.
-    """
-    properties.check(props, summary)
+# Refuse a message whose properties do not decode (502 SYNTAX_ERROR).
+# ``properties.scan`` (which made the summary) checked the property list; this
+# walks the headers table, nesting and bounds included, without building it.
+# Called once when a front end accepts a message, so routing, the headers
+# exchange, dead-lettering, expiry, the stores and consumers never meet
+# malformed bytes. Callers test ``summary.headers_at >= 0`` first, so a
+# message without headers costs one comparison. An alias, not a wrapper: one
+# call less per message with headers.
+check: Callable[[bytes, properties.PropertySummary], None] = properties.check
 
 
 class Outcome:
