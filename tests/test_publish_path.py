@@ -16,13 +16,13 @@ import grpc
 import pytest
 from pamqp import commands, frame
 
-from core.cluster.forwarding import NodeService, Peers, QueueRemote
+# pb_grpc through forwarding: the generated module moves from core.grpc_api to core.cluster on main.
+from core.cluster.forwarding import NodeService, Peers, QueueRemote, pb_grpc
 from core.durable.durability import Durability
 from core.durable.group_commit import GroupCommitter
 from core.engine import publish
 from core.engine.broker import Broker
 from core.engine.queue import Queue
-from core.grpc_api import internal_pb2_grpc
 from core.model import properties
 from core.model.message import Message
 from persistence.sqlite import SQLiteStore
@@ -133,7 +133,7 @@ async def cluster(tmp_path: Path) -> AsyncIterator[tuple[Broker, GroupCommitter,
         return q if q is not None and q.remote is None else None
 
     server = grpc.aio.server()
-    internal_pb2_grpc.add_NodeServicer_to_server(NodeService(b, owned), server)
+    pb_grpc.add_NodeServicer_to_server(NodeService(b, owned), server)
     port = server.add_insecure_port("127.0.0.1:0")
     await server.start()
     peers = Peers(lambda n: f"127.0.0.1:{port}" if n == "b" else None, lambda n: None)
