@@ -81,7 +81,7 @@ def _long_string(raw: bytes) -> str | bytes:
         return raw
 
 
-def _scalar(data: bytes, tag: int, pos: int, limit: int, build: bool) -> tuple[Any, int]:
+def _scalar(data: bytes, tag: int, pos: int, limit: int) -> tuple[Any, int]:
     """A value that is not a table or an array, read at ``pos`` (after its tag) within ``limit``."""
     fixed = _FIXED.get(tag)
     if fixed is not None:
@@ -93,9 +93,7 @@ def _scalar(data: bytes, tag: int, pos: int, limit: int, build: bool) -> tuple[A
             (secs,) = _u64.unpack_from(data, pos)
             if secs > MAX_TIMESTAMP:
                 raise FieldTableError(f"timestamp {secs} is out of range")
-            return (datetime.datetime.fromtimestamp(secs, tz=datetime.UTC) if build else None), end
-        if not build:
-            return None, end
+            return datetime.datetime.fromtimestamp(secs, tz=datetime.UTC), end
         if codec is not None:
             return codec.unpack_from(data, pos)[0], end
         if tag == 0x74:
@@ -118,18 +116,16 @@ def _scalar(data: bytes, tag: int, pos: int, limit: int, build: bool) -> tuple[A
         if end > limit:
             what = "long string" if tag == _LONGSTR else "byte array"
             raise FieldTableError(f"{what} runs past the end of its table")
-        if not build:
-            return None, end
         raw = bytes(data[pos + 4 : end])
         return (_long_string(raw) if tag == _LONGSTR else bytearray(raw)), end
     raise FieldTableError(f"unknown field type tag {chr(tag)!r}")
 
 
-def _walk(data: bytes, pos: int, build: bool, first: int | None) -> tuple[Any, int]:
+def _walk(data: bytes, pos: int, first: int | None) -> tuple[Any, int]:
     """Decode a table (``first`` None: at ``pos``, its length first) or one tagged value.
 
-    One loop over an explicit stack of open containers; ``build`` False only
-    checks (``check_table`` is the faster checker; this stays for decode_value).
+    One loop over an explicit stack of open containers: no input can exhaust
+    Python's stack. ``check_table`` applies the same rules without building.
     """
     size = len(data)
     if first is None:
@@ -138,7 +134,7 @@ def _walk(data: bytes, pos: int, build: bool, first: int | None) -> tuple[Any, i
         tag = first
         pos += 1
     if tag != _TABLE and tag != _ARRAY:
-        return _scalar(data, tag, pos, size, build)
+        return _scalar(data, tag, pos, size)
     if pos + 4 > size:
         raise FieldTableError("field table is truncated")
     end = pos + 4 + _u32.unpack_from(data, pos)[0]
@@ -146,8 +142,8 @@ def _walk(data: bytes, pos: int, build: bool, first: int | None) -> tuple[Any, i
         what = "field table" if tag == _TABLE else "array"
         raise FieldTableError(f"{what} runs past the end of the frame")
     pos += 4
-    root: Any = ({} if tag == _TABLE else []) if build else None
-    # (container or None, is a table, end of its bytes)
+    root: Any = {} if tag == _TABLE else []
+    # (container, is a table, end of its bytes)
     stack: list[tuple[Any, bool, int]] = [(root, tag == _TABLE, end)]
     while stack:
         container, is_table, limit = stack[-1]
@@ -162,8 +158,7 @@ def _walk(data: bytes, pos: int, build: bool, first: int | None) -> tuple[Any, i
             kend = pos + 1 + klen
             if kend >= limit:  # the key, then at least a tag
                 raise FieldTableError("field table key runs past the end of its table")
-            if build:
-                key = bytes(data[pos + 1 : kend]).decode("utf-8", "replace")
+            key = bytes(data[pos + 1 : kend]).decode("utf-8", "replace")
             pos = kend
         tag = data[pos]
         pos += 1
@@ -177,15 +172,14 @@ def _walk(data: bytes, pos: int, build: bool, first: int | None) -> tuple[Any, i
                 what = "nested table" if tag == _TABLE else "array"
                 raise FieldTableError(f"{what} runs past the end of its table")
             pos += 4
-            value: Any = ({} if tag == _TABLE else []) if build else None
+            value: Any = {} if tag == _TABLE else []
             stack.append((value, tag == _TABLE, inner_end))
         else:
-            value, pos = _scalar(data, tag, pos, limit, build)
-        if build:
-            if is_table:
-                container[key] = value
-            else:
-                container.append(value)
+            value, pos = _scalar(data, tag, pos, limit)
+        if is_table:
+            container[key] = value
+        else:
+            container.append(value)
     return root, end
 
 
@@ -193,12 +187,12 @@ def decode_value(data: bytes, pos: int) -> tuple[Any, int]:
     """Decode one tagged value at ``pos``; return it and the next position."""
     if pos >= len(data):
         raise FieldTableError("field table is truncated")
-    return _walk(data, pos, True, data[pos])
+    return _walk(data, pos, data[pos])
 
 
 def decode_table(data: bytes, pos: int = 0) -> tuple[FieldTable, int]:
     """Decode a length-prefixed table at ``pos``; return it and the next position."""
-    table, end = _walk(data, pos, True, None)
+    table, end = _walk(data, pos, None)
     return table, end
 
 
@@ -217,8 +211,8 @@ def check_table(data: bytes, pos: int = 0) -> int:
     Refuses exactly what ``decode_table`` refuses (tests/test_field_validation.py
     checks that on random and mutated input), with no allocation beyond its
     stack: the publish path runs it on every message that has headers. Its own
-    loop rather than ``_walk(build=False)``: a tag-indexed list and no call per
-    value make it 1.5-4x faster than decoding (docs/notes/publish.md).
+    loop: a tag-indexed list and no call per value make it 1.5-6x faster than
+    decoding (docs/notes/publish.md).
     """
     size = len(data)
     if pos + 4 > size:
