@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import socket
 import struct
 import time
@@ -34,6 +35,7 @@ from compat_tests.test_durability import (  # noqa: F401  (fixtures: a node on e
     store_args,
 )
 from leveret.client import Client, LeveretError
+from leveret.streams_client import StreamsClient
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -238,14 +240,23 @@ def test_malformed_headers_are_refused_and_their_neighbours_dead_lettered(node: 
         # The same through the default exchange, straight into the queue.
         assert _publish_malformed(node, "", headers).reply_code == 502, case
 
-    with Client(f"127.0.0.1:{node.grpc_port}") as client:
-        for props in ({"x" * 300: "key longer than 255 bytes"}, {"timestamp": "9" * 30}):
-            with pytest.raises(LeveretError) as info:
-                client.push(work, b"refused", properties=props)
-            assert info.value.code == grpc.StatusCode.INVALID_ARGUMENT, info.value
-            assert "properties do not encode" in info.value.details
+    stream = _name("stream")
+    ch.queue_declare(stream, durable=True, arguments=STREAM)
+    bad_properties = ({"x" * 300: "key longer than 255 bytes"}, {"timestamp": "9" * 30})
+    with Client(f"127.0.0.1:{node.grpc_port}") as client, \
+            StreamsClient(f"127.0.0.1:{node.grpc_port}") as streams:
+        for props in bad_properties:
+            calls = (functools.partial(client.push, work, b"refused", properties=props),
+                     functools.partial(client.push_many, work, [b"refused"], properties=props),
+                     functools.partial(streams.publish, stream, b"refused", properties=props))
+            for call in calls:
+                with pytest.raises(LeveretError) as info:
+                    call()
+                assert info.value.code == grpc.StatusCode.INVALID_ARGUMENT, info.value
+                assert "properties do not encode" in info.value.details
         client.push(work, b"good-grpc", properties={"kind": "good"}, persistent=True)
         sent.append(b"good-grpc")
+    assert ch.queue_declare(stream, passive=True).method.message_count == 0
 
     # Every good message expires after 300 ms and is dead-lettered to dlq.
     got: list[tuple[bytes, dict[str, object]]] = []
