@@ -17,7 +17,7 @@ from pamqp import commands
 from pamqp.base import Frame as Method
 
 from amqp_frontend import codec, stream_consumer
-from core.engine import direct_reply
+from core.engine import direct_reply, publish
 from core.engine.exchange import Exchange
 from core.engine.queue import Consumer, Queue, QueueChannel
 from core.engine.stream import StreamQueue
@@ -37,7 +37,6 @@ from core.ports.coordinator import Immediate
 
 if TYPE_CHECKING:
     from amqp_frontend.connection import Connection
-    from core.ports.remote import RemoteQueue
 
 # delivery tag -> (message, consumer or None for basic.get, queue channel)
 Unacked = tuple[QueuedMessage, Consumer | None, QueueChannel]
@@ -169,10 +168,10 @@ class Channel:
         """A whole message at once (the connection's fast path)."""
         if immediate:
             raise NotImplementedFeature("immediate=true")
-        try:
-            summary = properties.scan(props)
-        except properties.PropertiesError as exc:
-            raise UnexpectedFrame(str(exc)) from exc
+        # Properties that do not decode raise PropertiesError: 502, the connection closes.
+        summary = properties.scan(props)
+        if summary.headers_at >= 0:
+            publish.check(props, summary)
         self._route(exchange, routing_key, mandatory, props, summary, body)
 
     def content_header(self, payload: bytes) -> None:
@@ -190,10 +189,10 @@ class Channel:
                 f"{self.conn.settings.max_message_size}"
             )
         props = bytes(payload[12:])
-        try:
-            self._summary = properties.scan(props)
-        except properties.PropertiesError as exc:
-            raise UnexpectedFrame(str(exc)) from exc
+        summary = properties.scan(props)  # 502 if it does not decode
+        if summary.headers_at >= 0:
+            publish.check(props, summary)  # refused before the body arrives
+        self._summary = summary
         self._props = props
         self._body_size = body_size
         self.awaiting_header = False
@@ -266,95 +265,52 @@ class Channel:
         self._deliver_published(exchange, message, mandatory)
 
     def _deliver_published(self, exchange: Exchange | None, message: Message, mandatory: bool) -> None:
+        # The confirm rule lives in core.engine.publish; here only what AMQP makes of its outcome.
         vhost = self.vhost
         assert vhost is not None
-        routing_key = message.routing_key
         self.stats.received += 1
-        accepted = True
-        routed = True
-        stored = False
-        # Cluster: answers awaited from the owners of remote queues (confirm mode only).
-        forwarded: _Join | None = None
-        if exchange is None:
-            # The default exchange: the routing key names the queue.
-            q = vhost.queues.get(routing_key)
-            if q is not None:
-                accepted = q.enqueue(message)
-                stored = q.storage is not None
-                if q.remote is not None:
-                    forwarded = self._await_owner(q.remote, forwarded)
-            elif routing_key.startswith(direct_reply.PREFIX):
-                routed = self.conn.broker.reply_to.deliver(routing_key, message)
+        tx_join = self._tx_join
+        outcome = publish.publish(self.conn.broker, vhost, exchange, message, self.confirm or tx_join is not None)
+        if not outcome.routed:
+            if mandatory:
+                self.stats.unroutable_returned += 1
             else:
-                routed = False
-        else:
-            queues = vhost.route(exchange, message)
-            routed = bool(queues)
-            for q in queues:
-                if not q.enqueue(message):
-                    accepted = False
-                elif q.storage is not None:
-                    stored = True
-                elif q.remote is not None:
-                    forwarded = self._await_owner(q.remote, forwarded)
-        if not routed and not mandatory:
-            self.stats.unroutable_dropped += 1
-        elif not routed:
-            self.stats.unroutable_returned += 1
+                self.stats.unroutable_dropped += 1
+        if mandatory and not outcome.routed:
+            # basic.return goes out before the message's ack (both are written in order).
             self.conn.send_method(
                 self.number,
                 commands.Basic.Return(
-                    reply_code=NO_ROUTE, reply_text="NO_ROUTE", exchange=message.exchange, routing_key=routing_key
+                    reply_code=NO_ROUTE, reply_text="NO_ROUTE", exchange=message.exchange,
+                    routing_key=message.routing_key,
                 ),
             )
             self.conn.write_content(self.number, message.props, message.body)
-        if self.confirm:
+        if tx_join is not None:
+            # tx.commit-ok waits for every publish of the transaction to settle.
+            if not outcome.settled:
+                outcome.on_settled(tx_join.one())
+        elif self.confirm:
             self.stats.received_confirm += 1
             self.publish_seq += 1
             seq = self.publish_seq
-            if forwarded is not None and accepted:
-                # Confirmed once every owner answered (after its commit) and our own store committed.
+            if not outcome.settled:
+                # Acked once settled; later publishes wait behind it (flush_confirms).
                 entry = [seq, None]
                 self._waiting.append(entry)
-                if stored and message.summary.delivery_mode == 2:
-                    committer = self.conn.broker.committer
-                    assert committer is not None
-                    local = forwarded.one()
-                    committer.when_committed(lambda error: local(error is None))
-                forwarded.finish(lambda ok: self._store_outcome(entry, None if ok else _REFUSED))
-            elif stored and accepted and message.summary.delivery_mode == 2:
-                # Confirm only once the store has committed it (group commit).
-                entry = [seq, None]
-                self._waiting.append(entry)
-                committer = self.conn.broker.committer
-                assert committer is not None
-                committer.when_committed(lambda error: self._store_outcome(entry, error))
+                outcome.on_settled(lambda ok: self._store_outcome(entry, ok))
             elif self._waiting:
-                self._waiting.append([seq, accepted])
+                self._waiting.append([seq, outcome.ok])
                 self.conn.confirm_pending(self)
-            elif accepted:
+            elif outcome.ok:
                 self.conn.confirm_pending(self)
             else:
                 # x-overflow reject-publish: nack this one, after acking all before it.
                 self._ack_upto(seq - 1)
                 self._nack(seq)
 
-    def _await_owner(self, remote: RemoteQueue, forwarded: _Join | None) -> _Join | None:
-        """A message just went to another node's queue: wait for its owner's answer where the client will.
-
-        In a tx.commit the commit-ok waits; with confirms, the publish's ack
-        (``forwarded``, made here on the first remote queue of the publish).
-        """
-        if self._tx_join is not None:
-            remote.when_forwarded(self._tx_join.one())
-        elif self.confirm:
-            if forwarded is None:
-                forwarded = _Join()
-            remote.when_forwarded(forwarded.one())
-        return forwarded
-
-    def _store_outcome(self, entry: list[Any], error: BaseException | None) -> None:
-        entry[1] = error is None
+    def _store_outcome(self, entry: list[Any], ok: bool) -> None:
+        entry[1] = ok
         if not self.closing:
             self.conn.confirm_pending(self)
 
@@ -882,7 +838,6 @@ _HANDLERS: dict[type, Any] = {
 __all__ = ["Channel", "BrokerError"]
 
 
-_REFUSED = RuntimeError("refused by the queue's owner")
 
 
 class _Join:

@@ -42,7 +42,7 @@ from core.cluster.auth import PeerAuth
 from core.cluster.forwarding import LoadingGate, NodeService, NotOwner, Peers, QueueRemote
 from core.durable.durability import Durability, QueueStorage
 from core.durable.group_commit import GroupCommitter
-from core.engine import direct_reply
+from core.engine import direct_reply, publish
 from core.engine.broker import Broker, User
 from core.engine.exchange import Exchange
 from core.engine.ownership import Lease, Ownership, OwnershipState
@@ -702,17 +702,12 @@ class EtcdCluster:
                                          "ms": round((time.monotonic() - started) * 1000, 1)})
 
     def _flush_held(self, q: Queue, held: list[Any]) -> None:
+        # Publishes held while the queue loaded: enqueued now, answered by the one confirm rule.
         committer = self.committer
         for message, cbs in held:
-            ok = q.enqueue(message)
-            if not cbs:
-                continue
-            if ok and q.storage is not None and message.summary.delivery_mode == 2:
-                for cb in cbs:
-                    committer.when_committed(functools.partial(_answer_committed, cb))
-            else:
-                for cb in cbs:
-                    cb(ok)
+            outcome = publish.publish_to(q, message, committer, track=bool(cbs))
+            for cb in cbs:
+                outcome.on_settled(cb)
 
     def _lose(self, vq: tuple[str, str], new_owner: str | None) -> None:
         """Stop serving a queue involuntarily (lease lost, fenced, moved): LOST; NOT_OWNED once the owner is known."""
@@ -1254,10 +1249,6 @@ class EtcdCluster:
 
 class ClusterUnavailable(BrokerError):
     code = 541  # internal error class: the client sees a clear text and may retry
-
-
-def _answer_committed(cb: Callable[[bool], None], error: BaseException | None) -> None:
-    cb(error is None)
 
 
 def _first_value(responses: Any) -> dict[str, Any] | None:

@@ -28,7 +28,7 @@ import grpc
 from core.cluster import internal_pb2 as pb
 from core.cluster import internal_pb2_grpc as pb_grpc
 from core.cluster.auth import PeerAuth
-from core.engine import direct_reply, flow
+from core.engine import direct_reply, flow, publish
 from core.engine.queue import Consumer, QueueChannel
 from core.engine.stream import StreamQueue
 from core.engine.stream_args import parse_reader
@@ -1075,8 +1075,8 @@ async def released(call: flow.HeldCall) -> None:
         await done
 
 
-async def _enqueue_fairly(q: Queue, messages: list[Message]) -> list[bool]:
-    """``q.enqueue_many`` in slices of FORWARD_SLICE, a loop turn apart, waiting while flow control holds.
+async def _enqueue_fairly(q: Queue, messages: list[Message], outcome: publish.Outcome) -> list[bool]:
+    """``publish.enqueue_batch`` in slices of FORWARD_SLICE, a loop turn apart, waiting while flow control holds.
 
     While the owner's queue is behind its consumers the next slice (and the next
     batch) waits, so the stream's gRPC window fills and the forwarding node's
@@ -1091,7 +1091,7 @@ async def _enqueue_fairly(q: Queue, messages: list[Message]) -> list[bool]:
                 return oks + [False] * (len(messages) - start)
         previous = flow.swap(call)
         try:
-            oks += q.enqueue_many(messages[start : start + FORWARD_SLICE])
+            oks += publish.enqueue_batch(q, messages[start : start + FORWARD_SLICE], outcome)
         finally:
             flow.swap(previous)
         await released(call)
@@ -1111,7 +1111,9 @@ class NodeService(pb_grpc.NodeServicer):
         loop = asyncio.get_running_loop()
         fut: asyncio.Future[pb.ForwardResult] = loop.create_future()
         accepted: list[bool] = []
-        stored = False
+        # One outcome for the whole batch: answered once the messages that the
+        # confirm rule says wait for the commit (core/engine/publish.py) are committed.
+        outcome = publish.Outcome()
         node = self.broker.node_id
         queues: dict[tuple[str, str], Queue | None] = {}
         for vhost, queue, messages in unpack_forwarded(batch.packed, node):
@@ -1128,22 +1130,16 @@ class NodeService(pb_grpc.NodeServicer):
             if q is None or q.remote is not None or q.deleted:
                 accepted += [False] * len(messages)
                 continue
-            oks = await _enqueue_fairly(q, messages)
-            accepted += oks
-            if q.storage is not None and not stored:
-                stored = any(ok and m.summary.delivery_mode == 2 for ok, m in zip(oks, messages, strict=True))
+            accepted += await _enqueue_fairly(q, messages, outcome)
         result = pb.ForwardResult(seq=batch.seq, accepted=accepted)
-        committer = self.broker.committer
-        if stored and committer is not None:
-            def committed(error: BaseException | None) -> None:
-                if error is not None:
-                    result.error = f"store: {error}"
-                if not fut.done():
-                    fut.set_result(result)
 
-            committer.when_committed(committed)
-        else:
-            fut.set_result(result)
+        def settled(ok: bool) -> None:
+            if not ok:
+                result.error = outcome.error or "store: not committed"
+            if not fut.done():
+                fut.set_result(result)
+
+        outcome.seal(self.broker.committer).on_settled(settled)
         return fut
 
     async def Forward(  # noqa: N802 - gRPC method name

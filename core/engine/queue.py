@@ -527,6 +527,13 @@ class Queue:
             return None
         return self.scheduler.now() + ttl / 1000.0
 
+    def stores(self, message: Message) -> bool:
+        """Whether this queue, having a store, writes ``message`` there (and so confirms it after the commit).
+
+        A classic queue stores persistent messages only; a stream overrides this.
+        """
+        return message.persistent
+
     def enqueue(self, message: Message) -> bool:
         """Add ``message``; False when the queue refused it (x-overflow reject-publish*)."""
         lease = self.lease
@@ -545,7 +552,7 @@ class Queue:
         self.published += 1
         if self._ttl_ms is not None or message.summary.expiration is not None:
             qm.expires_at = self._expiry_of(message)
-        if self.storage is not None and message.summary.delivery_mode == 2:
+        if self.storage is not None and message.persistent:
             qm.persisted = True
             self.storage.append(qm)
         self._push_to_channels(qm)
@@ -570,7 +577,7 @@ class Queue:
             offset += 1
             if timed or m.summary.expiration is not None:
                 qm.expires_at = self._expiry_of(m)
-            if storage is not None and m.summary.delivery_mode == 2:
+            if storage is not None and m.persistent:
                 qm.persisted = True
                 storage.append(qm)
             qms.append(qm)

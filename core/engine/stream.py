@@ -157,6 +157,10 @@ class StreamQueue(Queue):
         pos = bisect.bisect_left(self.entries, spec.value, self.head, len(self.entries), key=_timestamp)
         return self.entries[pos].offset if pos < len(self.entries) else self.next_offset
 
+    def stores(self, message: Message) -> bool:
+        """Everything in a stream is stored, whatever its delivery mode (as in RabbitMQ)."""
+        return True
+
     def enqueue(self, message: Message) -> bool:
         lease = self.lease
         if lease is not None and not lease.valid() and self.deleted:

@@ -12,7 +12,6 @@ on the queue with a topic filter; the queue's default channel (id
 from __future__ import annotations
 
 import asyncio
-import functools
 import hashlib
 import itertools
 import logging
@@ -24,9 +23,10 @@ from typing import Any
 
 import grpc
 
-from core.cluster.forwarding import QueueRemote, released
-from core.engine import flow
+from core.cluster.forwarding import released
+from core.engine import flow, publish
 from core.engine.broker import Broker, User
+from core.engine.publish import Outcome
 from core.engine.queue import Consumer, Queue, QueueChannel
 from core.engine.stream import StreamQueue
 from core.engine.topic import topic_matches
@@ -57,6 +57,7 @@ _STATUS = {
     406: grpc.StatusCode.FAILED_PRECONDITION,
     530: grpc.StatusCode.PERMISSION_DENIED,
     540: grpc.StatusCode.UNIMPLEMENTED,
+    502: grpc.StatusCode.INVALID_ARGUMENT,  # properties or headers that do not decode
 }
 
 _TRANSIENT = (properties.EMPTY, properties.scan(properties.EMPTY))
@@ -454,36 +455,34 @@ class BrokerServicer(pb_grpc.BrokerServicer):
         raise AssertionError("unreachable")
 
     # -- push --------------------------------------------------------------------
-    def _push(
-        self, user: User, q: Queue, req: pb.PushRequest
-    ) -> tuple[Message, int, bool, asyncio.Future[bool] | None]:
-        """Enqueue one pushed message: (message, offset, waits for the store, the owner's answer)."""
+    def _push(self, user: User, q: Queue, req: pb.PushRequest) -> tuple[Message, int, Outcome]:
+        """Enqueue one pushed message through the publish path: (message, offset, its outcome)."""
         persistent = req.persistent if req.HasField("persistent") else q.durable
         props, summary = message_properties(user, req.properties, persistent)
         message = Message("", req.topic, props, req.content, summary, self.broker.node_id)
         message.id  # noqa: B018 - fixed now (ids are lazy): the reply names it, and a forward carries it
-        offset = q.next_offset
+        # Cluster: another node owns the queue and gives the offset: 0 here (docs/CLUSTER.md).
+        offset = q.next_offset if q.remote is None else 0
         self.broker.stats.received += 1
-        if not q.enqueue(message):
+        outcome = publish.publish_to(q, message, self.broker.committer)
+        if not outcome.accepted:
             raise ApiError(grpc.StatusCode.RESOURCE_EXHAUSTED, f"queue '{q.name}' is full (x-overflow)")
-        if q.remote is not None:
-            # Cluster: another node owns the queue; the answer comes after its commit.
-            # The offset is the owner's to give: 0 here (docs/CLUSTER.md).
-            return message, 0, False, owner_answer(q.remote)
-        return message, offset, q.storage is not None and summary.delivery_mode == 2, None
-
-    @staticmethod
-    async def _owners_answered(answers: list[asyncio.Future[bool]]) -> None:
-        for ok in await asyncio.gather(*answers):
-            if not ok:
-                raise ApiError(grpc.StatusCode.UNAVAILABLE, "the queue's owner did not accept the message; retry")
+        return message, offset, outcome
 
     async def _committed(self) -> None:
+        """Wait for the group commit of everything so far (a committed stream offset)."""
         committer = self.broker.committer
         assert committer is not None
         error = await committer.committed()
         if error is not None:
-            raise ApiError(grpc.StatusCode.UNAVAILABLE, f"the store did not commit the message: {error}")
+            raise ApiError(grpc.StatusCode.UNAVAILABLE, f"the store did not commit: {error}")
+
+    @staticmethod
+    async def settled(outcomes: list[Outcome]) -> None:
+        """Answer once every outcome is settled (committed here, answered by the owners); UNAVAILABLE if one failed."""
+        for outcome in outcomes:
+            if not await outcome.wait():
+                raise ApiError(grpc.StatusCode.UNAVAILABLE, outcome.error or "the message was not taken; retry")
 
     async def Push(self, request: pb.PushRequest, context: Any) -> pb.PushResponse:
         async with _errors(context):
@@ -492,15 +491,12 @@ class BrokerServicer(pb_grpc.BrokerServicer):
             call = flow.HeldCall()
             previous = flow.swap(call)
             try:
-                message, offset, stored, answer = self._push(user, q, request)
+                message, offset, outcome = self._push(user, q, request)
             finally:
                 flow.swap(previous)
             # Flow control: while the queue is behind its consumers the answer waits.
             await released(call)
-            if stored:
-                await self._committed()
-            if answer is not None:
-                await self._owners_answered([answer])
+            await self.settled([outcome])
             return pb.PushResponse(id=message.id, offset=offset)
         raise AssertionError("unreachable")
 
@@ -510,8 +506,7 @@ class BrokerServicer(pb_grpc.BrokerServicer):
             q = self._queue(vh, request.queue)
             response = pb.PushBatchResponse()
             add = response.results.add
-            any_stored = False
-            answers: list[asyncio.Future[bool]] = []
+            outcomes: list[Outcome] = []
             push = self._push
             call = flow.HeldCall()
             for i, req in enumerate(request.messages):
@@ -524,21 +519,17 @@ class BrokerServicer(pb_grpc.BrokerServicer):
                                        f"queue '{q.name}' was deleted during the batch; the {i} before it were pushed")
                 previous = flow.swap(call)
                 try:
-                    message, offset, stored, answer = push(user, q, req)
+                    message, offset, outcome = push(user, q, req)
                 except ApiError as exc:
                     exc.details += f" (message {i} of the batch; the {i} before it were pushed)"
                     raise
                 finally:
                     flow.swap(previous)
                 add(id=message.id, offset=offset)
-                any_stored = any_stored or stored
-                if answer is not None:
-                    answers.append(answer)
+                if not outcome.settled:
+                    outcomes.append(outcome)
             await released(call)
-            if any_stored:
-                await self._committed()
-            if answers:
-                await self._owners_answered(answers)
+            await self.settled(outcomes)
             return response
         raise AssertionError("unreachable")
 
@@ -635,18 +626,6 @@ class BrokerServicer(pb_grpc.BrokerServicer):
                 yield ev
         finally:
             self.watchers.remove(events)
-
-
-def owner_answer(remote: QueueRemote) -> asyncio.Future[bool]:
-    """The owner's answer (after its commit) for the message just forwarded through ``remote``."""
-    answer: asyncio.Future[bool] = asyncio.get_running_loop().create_future()
-    remote.when_forwarded(functools.partial(_resolve, answer))
-    return answer
-
-
-def _resolve(answer: asyncio.Future[bool], ok: bool) -> None:
-    if not answer.done():
-        answer.set_result(ok)
 
 
 def _peer_host(peer: str) -> str | None:

@@ -34,7 +34,7 @@ import grpc
 
 from core.cluster.forwarding import PeerLink
 from core.cluster.stream_proxy import RemoteStreamReader, reachable, until_reachable
-from core.engine import partition
+from core.engine import partition, publish
 from core.engine.queue import Consumer, Queue, QueueChannel
 from core.engine.stream import StreamQueue, StreamReader
 from core.engine.stream_args import FIRST, LAST, NEXT, OffsetSpec, parse_age, reader_arguments
@@ -49,7 +49,6 @@ from core.grpc_api.servicer import (
     _errors,
     decode_properties,
     message_properties,
-    owner_answer,
 )
 from core.model import properties
 from core.model.message import Message, QueuedMessage
@@ -257,17 +256,10 @@ class StreamsServicer(pb_grpc.StreamsServicer):
                 q = self._stream(vh, topic)
                 message = Message("", request.key or topic, props, request.body, summary, node)
             message.id  # noqa: B018 - fixed now (ids are lazy): the reply names it, and a forward carries it
-            offset = q.next_offset
-            answer: asyncio.Future[bool] | None = None
-            q.enqueue(message)
-            if q.remote is not None:
-                # Another node owns the stream: answer once it committed there.
-                answer = owner_answer(q.remote)
-                offset = 0
-            if q.storage is not None:
-                await self.api._committed()
-            if answer is not None:
-                await self.api._owners_answered([answer])
+            # Another node owns the stream: it gives the offset (0 here) and answers after its commit.
+            offset = q.next_offset if q.remote is None else 0
+            # A stream confirms after its commit whatever the delivery mode (core/engine/publish.py).
+            await self.api.settled([publish.publish_to(q, message, self.api.broker.committer)])
             return pb.PublishResponse(id=message.id, stream=q.name, offset=offset)
         raise AssertionError("unreachable")
 

@@ -12,7 +12,8 @@ from __future__ import annotations
 import struct
 from typing import Any
 
-from core.model.fieldtable import FieldTableError, decode_table, encode_table
+from core.model.errors import SyntaxError_
+from core.model.fieldtable import FieldTableError, check_table, decode_table, encode_table
 
 _u16 = struct.Struct(">H")
 _u64 = struct.Struct(">Q")
@@ -38,8 +39,8 @@ FIELDS: tuple[tuple[int, str, str], ...] = (
 EMPTY = b"\x00\x00"
 
 
-class PropertiesError(ValueError):
-    """Properties that do not decode."""
+class PropertiesError(SyntaxError_, ValueError):
+    """Properties that do not decode (502 SYNTAX_ERROR), or do not encode."""
 
 
 class PropertySummary:
@@ -115,6 +116,20 @@ def scan(raw: bytes) -> PropertySummary:
         raise PropertiesError("content header properties are truncated") from exc
 
 
+def check(raw: bytes, summary: PropertySummary) -> None:
+    """Refuse properties whose headers table does not decode (``scan`` checked the rest).
+
+    Run once when a message is accepted (core/engine/publish.py), so nothing
+    later (routing, dead-lettering, expiry, the stores, consumers) meets
+    malformed bytes. Without headers it costs one comparison.
+    """
+    if summary.headers_at >= 0:
+        try:
+            check_table(raw, summary.headers_at)
+        except FieldTableError as exc:
+            raise PropertiesError(f"headers do not decode: {exc.text}") from exc
+
+
 def headers_of(raw: bytes, summary: PropertySummary) -> dict[str, Any]:
     if summary.headers_at < 0:
         return {}
@@ -171,7 +186,10 @@ def encode(props: dict[str, Any]) -> bytes:
         elif kind == "table":
             parts.append(encode_table(value))
         else:
-            parts.append(_u64.pack(int(value)))
+            try:
+                parts.append(_u64.pack(int(value)))
+            except struct.error as exc:
+                raise PropertiesError(f"property {name} {value} does not fit in 64 bits") from exc
     return _u16.pack(flags) + b"".join(parts)
 
 
