@@ -179,6 +179,7 @@ def test_forwarded_batch_waits_while_the_owners_queue_is_behind() -> None:
     import asyncio
 
     from core.cluster.forwarding import FORWARD_SLICE, _enqueue_fairly
+    from core.engine import publish
     from core.model.message import Message
     from core.model.properties import EMPTY, scan
 
@@ -189,7 +190,7 @@ def test_forwarded_batch_waits_while_the_owners_queue_is_behind() -> None:
     messages = [Message("", "q", EMPTY, b"%08d" % i, summary, "n1") for i in range(FLOW_HIGH + 3 * FORWARD_SLICE)]
 
     async def run() -> None:
-        task = asyncio.ensure_future(_enqueue_fairly(q, messages))
+        task = asyncio.ensure_future(_enqueue_fairly(q, messages, publish.Outcome()))
         for _ in range(100):
             await asyncio.sleep(0)
         assert not task.done()

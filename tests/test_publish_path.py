@@ -17,6 +17,7 @@ import pytest
 from pamqp import commands, frame
 
 # pb_grpc through forwarding: the generated module moves from core.grpc_api to core.cluster on main.
+from core.cluster.auth import PeerAuth
 from core.cluster.forwarding import NodeService, Peers, QueueRemote, pb_grpc
 from core.durable.durability import Durability
 from core.durable.group_commit import GroupCommitter
@@ -27,6 +28,7 @@ from core.model import properties
 from core.model.message import Message
 from persistence.sqlite import SQLiteStore
 from tests.amqp_client import connected
+from tests.brokers import local_broker
 
 PERSISTENT = properties.encode({"delivery_mode": 2})
 TRANSIENT = properties.encode({"delivery_mode": 1})
@@ -133,10 +135,11 @@ async def cluster(tmp_path: Path) -> AsyncIterator[tuple[Broker, GroupCommitter,
         return q if q is not None and q.remote is None else None
 
     server = grpc.aio.server()
-    pb_grpc.add_NodeServicer_to_server(NodeService(b, owned), server)
+    auth = PeerAuth(secret=b"a test cluster secret")
+    pb_grpc.add_NodeServicer_to_server(NodeService(b, owned, auth), server)
     port = server.add_insecure_port("127.0.0.1:0")
     await server.start()
-    peers = Peers(lambda n: f"127.0.0.1:{port}" if n == "b" else None, lambda n: None)
+    peers = Peers(lambda n: f"127.0.0.1:{port}" if n == "b" else None, lambda n: None, auth)
     s_on_a.remote = QueueRemote(s_on_a, peers, "b")
     await _declared(a, commit_a, "local")
     vh = a.vhosts["/"]
@@ -197,7 +200,7 @@ UNKNOWN_TAG = b"\x00\x00\x00\x04\x01kZ\x00"
 
 @pytest.mark.parametrize("split", [False, True], ids=["whole-publish", "frame-by-frame"])
 def test_amqp_publish_with_malformed_headers_closes_only_its_connection_with_502(split: bool) -> None:
-    broker = Broker()
+    broker = local_broker()
     bad, good = connected(broker), connected(broker)
     good.declare_queue(1, "q")
     method = frame.marshal(commands.Basic.Publish(exchange="", routing_key="q"), 1)
