@@ -591,12 +591,15 @@ async def health_vhosts(call: Call) -> dict[str, Any]:
 
 async def aliveness(call: Call) -> Any:
     """RabbitMQ's aliveness test: declare ``aliveness-test``, publish to it and get the message back."""
+    from core.engine import publish
     from core.model.message import Message
     from leveret.http import declare
 
     vh = call.vhost(write=True)
     q = await declare.declare_queue(call.broker, vh, "aliveness-test", False, False, {})
-    declare.publish(vh, None, Message("", q.name, b"\x00\x00", b"test_message", node=call.node_name))
+    outcome = publish.publish(call.broker, vh, None, Message("", q.name, b"\x00\x00", b"test_message",
+                                                             node=call.node_name))
+    await outcome.wait()
     qm = q.default.get(no_ack=True)
     if qm is None or qm.message.body != b"test_message":
         return json_response({"status": "failed", "reason": "the test message did not come back"}, status=503)

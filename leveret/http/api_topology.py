@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING, Any
 
 from aiohttp import web
 
+from core.engine import publish
 from core.engine.exchange import Exchange
 from core.engine.queue import Queue
 from core.engine.topic import topic_matches
@@ -421,7 +422,10 @@ async def exchange_publish(call: Call) -> dict[str, Any]:
     if x is not None and x.internal:
         raise bad_request(f"cannot publish to internal exchange '{x.name}'")
     message = Message(x.name if x else "", routing_key, raw, data, node=call.node_name)
-    return {"routed": declare.publish(vh, x, message)}
+    # The one publish path (core/engine/publish.py): answered once the message is where the
+    # confirm rule says (committed for a persistent message on a durable queue, at its owner).
+    outcome = publish.publish(call.broker, vh, x, message)
+    return {"routed": outcome.routed and await outcome.wait()}
 
 
 def _exchange_bindings(call: Call, as_source: bool) -> list[dict[str, Any]]:

@@ -1,4 +1,4 @@
-"""Declarations, deletions, bindings and publishes the API makes, through the path AMQP uses.
+"""Declarations, deletions and bindings the API makes, through the path AMQP uses.
 
 Every declaration goes through the node's coordinator (``broker.cluster``:
 coordination/local.py on a single node, etcd in a cluster), as
@@ -15,7 +15,6 @@ from core.engine.broker import Broker
 from core.engine.exchange import Exchange
 from core.engine.queue import Queue
 from core.engine.vhost import VirtualHost
-from core.model.message import Message
 
 API_OWNER = object()
 
@@ -49,13 +48,3 @@ async def bind(broker: Broker, vh: VirtualHost, source: str, kind: str, destinat
                arguments: dict[str, Any], add: bool) -> None:
     """``kind`` is "queue" or "exchange"; the destination must exist (404 otherwise)."""
     await broker.cluster.bind(vh, source, kind, destination, routing_key, arguments, add)
-
-
-def publish(vh: VirtualHost, exchange: Exchange | None, message: Message) -> bool:
-    """Route and enqueue as a publish without confirms would; True when some queue took it."""
-    queues = vh.route(exchange, message)
-    routed = False
-    for q in queues:
-        if q.enqueue(message):
-            routed = True
-    return routed
