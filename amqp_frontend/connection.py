@@ -43,6 +43,7 @@ CHANNEL_ERROR_CODES = frozenset({311, 312, 313, 403, 404, 405, 406})
 FRAME_MIN_SIZE = 4096
 CONNECTION_CLOSE_ID = b"\x00\x0a\x00\x32"
 CONNECTION_CLOSE_OK_ID = b"\x00\x0a\x00\x33"
+CHANNEL_OPEN_ID = b"\x00\x14\x00\x0a"
 
 
 @dataclass
@@ -53,6 +54,10 @@ class ServerSettings:
     max_message_size: int = 128 * 1024 * 1024
     handshake_timeout: float = 10.0
     close_timeout: float = 3.0
+    # After the last close frame goes out the server half-closes and keeps
+    # reading (discarding) this long for the peer to close its side, so bytes
+    # still in flight from the client do not turn our close into a reset.
+    linger_timeout: float = 3.0
     # Stop handing messages to this connection's consumers past this many
     # bytes waiting to be written; resumed once the socket drains.
     write_high_water: int = 4 * 1024 * 1024
@@ -103,6 +108,10 @@ class Connection:
         self.out_bytes = 0
         self.transport_paused = False
         self.channels: dict[int, Channel] = {}
+        # Channels whose close crossed ours (both peers sent channel.close): the
+        # client may still send our close a close-ok, or frames it wrote before
+        # it saw our close. They are discarded until it opens the number again.
+        self._crossed: set[int] = set()
         self.user: User | None = None
         self.username = ""
         self.vhost: VirtualHost | None = None
@@ -376,6 +385,8 @@ class Connection:
             if self.state is not State.OPEN:
                 raise ChannelError(f"channel {number} used before the connection was opened")
             ch = self.channels.get(number)
+            if ch is None and number in self._crossed and payload[:4] != CHANNEL_OPEN_ID:
+                return  # written before the client saw our channel.close: discarded
             if payload[:4] == codec.BASIC_PUBLISH_ID:
                 # Hot path: publish without pamqp.
                 if ch is None:
@@ -425,6 +436,8 @@ class Connection:
             raise UnexpectedFrame(f"content frame on channel {number} outside an open channel")
         ch = self.channels.get(number)
         if ch is None:
+            if number in self._crossed:
+                return None  # content the client sent before it saw our channel.close
             raise ChannelError(f"expected 'channel.open' on channel {number}")
         if ch.closing:
             return None
@@ -473,6 +486,7 @@ class Connection:
                     f"number of channels opened ({len(self.channels)}) has reached the negotiated "
                     f"channel_max ({self.channel_max})"
                 )
+            self._crossed.discard(number)
             self.channels[number] = Channel(self, number)
             self.send_method(number, commands.Channel.OpenOk())
             return
@@ -483,6 +497,11 @@ class Connection:
                 del self.channels[number]
             return
         if isinstance(method, commands.Channel.Close):
+            if ch.closing:
+                # Crossing closes: ours is in flight. Answer theirs (RabbitMQ does
+                # too) and take it as the close-ok to ours; what else the client
+                # sends on this number until it reopens it predates our close.
+                self._crossed.add(number)
             ch.release()
             del self.channels[number]
             self.send_method(number, commands.Channel.CloseOk())
