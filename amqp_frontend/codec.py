@@ -42,6 +42,12 @@ header_payload = struct.Struct(">HHQ")
 _header_frame_head = struct.Struct(">BHIHHQ")
 
 
+# Field tables in method arguments (x-arguments, client properties) may nest
+# no deeper than this: the same bound core/model/fieldtable.py puts on message
+# headers. Deeper tables are stored and re-encoded recursively elsewhere.
+MAX_TABLE_DEPTH = 64
+
+
 class DecodeError(ValueError):
     """A method frame whose arguments do not decode."""
 
@@ -59,7 +65,45 @@ def decode_method(payload: bytes) -> Method:
         method.unmarshal(payload[4:])
     except (struct.error, ValueError, UnicodeDecodeError, UnmarshalingException, IndexError) as exc:
         raise DecodeError(f"cannot decode {method.name}: {exc}") from exc
+    except (RecursionError, OverflowError, OSError, TypeError, KeyError, AttributeError) as exc:
+        # pamqp on hostile bytes: tables nested past the interpreter's recursion
+        # limit, timestamps out of range (OverflowError, OSError EOVERFLOW),
+        # malformed values. All are the client's malformed frame.
+        raise DecodeError(f"cannot decode {method.name}: {type(exc).__name__}: {exc}") from exc
+    for name in _TABLE_ARGUMENTS.get(index, ()):
+        if table_depth(getattr(method, name, None)) > MAX_TABLE_DEPTH:
+            raise DecodeError(f"cannot decode {method.name}: '{name}' nests deeper than {MAX_TABLE_DEPTH}")
     return method
+
+
+# The methods with field-table arguments a client sends, by index.
+_TABLE_FIELDS = ("arguments", "client_properties", "server_properties")
+_TABLE_ARGUMENTS: dict[int, tuple[str, ...]] = {
+    index: names
+    for index, cls in commands.INDEX_MAPPING.items()
+    if (names := tuple(n for n in getattr(cls, "__slots__", ()) if n in _TABLE_FIELDS))
+}
+
+
+def table_depth(value: object) -> int:
+    """How deep tables and arrays nest in ``value`` (0 for a scalar), without recursion."""
+    deepest = 0
+    stack: list[tuple[object, int]] = [(value, 0)]
+    while stack:
+        item, depth = stack.pop()
+        if isinstance(item, dict):
+            children: object = item.values()
+        elif isinstance(item, list):
+            children = item
+        else:
+            continue
+        depth += 1
+        if depth > deepest:
+            deepest = depth
+            if deepest > MAX_TABLE_DEPTH:
+                return deepest
+        stack.extend((child, depth) for child in children)  # type: ignore[attr-defined]
+    return deepest
 
 
 def encode_method(channel: int, method: Method) -> bytes:

@@ -530,7 +530,7 @@ class Connection:
         self.send_method(
             ch.number,
             commands.Channel.Close(
-                reply_code=exc.code, reply_text=exc.reply_text[:255], class_id=class_id, method_id=method_id
+                reply_code=exc.code, reply_text=short_text(exc.reply_text), class_id=class_id, method_id=method_id
             ),
         )
 
@@ -651,7 +651,8 @@ class Connection:
             "connection closed by server",
             extra={"peer": self._peer_text(), "code": exc.code, "reason": exc.text},
         )
-        self._send_close(exc.code, exc.reply_text[:255], getattr(exc, "class_id", 0), getattr(exc, "method_id", 0))
+        text = short_text(exc.reply_text)
+        self._send_close(exc.code, text, getattr(exc, "class_id", 0), getattr(exc, "method_id", 0))
         self.close_reason = exc.reply_text
         if self.vhost is None:
             # Before open (bad login, failed tune): nothing to wait for.
@@ -722,6 +723,19 @@ class Connection:
         return f"{self.peer[0]}:{self.peer[1]}" if self.peer else "-"
 
 
+def short_text(text: str) -> str:
+    """``text`` cut to a shortstr's 255 bytes of UTF-8 (not characters), on a character boundary.
+
+    A reply text quoting a client's non-ASCII name can be under 255 characters
+    and over 255 bytes; pamqp then refuses to encode the close (the fuzzer
+    found it as an internal error).
+    """
+    raw = text.encode("utf-8")
+    if len(raw) <= 255:
+        return text
+    return raw[:255].decode("utf-8", "ignore")
+
+
 def _raise(exc: BaseException) -> None:
     raise exc
 
@@ -740,7 +754,9 @@ def _credentials(mechanism: str, response: bytes) -> tuple[str, str]:
         # A field table without its length prefix (what py-amqp and others send).
         try:
             table, _ = fieldtable.decode_table(len(response).to_bytes(4, "big") + response)
-        except fieldtable.FieldTableError as exc:
+        except (fieldtable.FieldTableError, ValueError, OverflowError, OSError, RecursionError) as exc:
+            # Timestamps out of range (OverflowError, OSError) and deep nesting
+            # are malformed responses too, not errors of ours.
             raise AccessRefused(f"malformed AMQPLAIN response: {exc}") from exc
         login, password = table.get("LOGIN", ""), table.get("PASSWORD", "")
         return (
