@@ -10,9 +10,39 @@ from __future__ import annotations
 import asyncio
 import heapq
 import itertools
+import logging
 import time
+from collections import Counter
 from collections.abc import Callable
 from typing import Protocol
+
+log = logging.getLogger("leveret.core")
+
+# Exceptions raised by timer callbacks and contained, by callback
+# (e.g. "QueueChannel._on_expiry_timer"). Read by tests and operators.
+callback_failures: Counter[str] = Counter()
+
+
+def contained(fn: Callable[[], None]) -> Callable[[], None]:
+    """``fn`` such that an exception it raises stays with it.
+
+    A timer belongs to one queue; before this, a message whose headers could
+    not be decoded raised inside a queue's expiry timer and the exception
+    reached the event loop. Now the failure is counted and logged (the node's
+    log filter keeps one traceback per kind per interval) and every other
+    queue, and this queue's next timer, run as before.
+    """
+
+    def run() -> None:
+        try:
+            fn()
+        except Exception:  # noqa: BLE001 - contained by design, see the docstring
+            name = getattr(fn, "__qualname__", type(fn).__name__)
+            callback_failures[name] += 1
+            log.error("timer callback failed; contained", exc_info=True,
+                      extra={"callback": name, "failures": callback_failures[name]})
+
+    return run
 
 
 class TimerHandle(Protocol):
@@ -43,7 +73,7 @@ class AsyncioScheduler:
             loop = asyncio.get_running_loop()
         except RuntimeError:
             return _NoTimer()
-        return loop.call_later(max(0.0, delay), fn)
+        return loop.call_later(max(0.0, delay), contained(fn))
 
 
 class _ManualTimer:
@@ -76,5 +106,5 @@ class ManualScheduler:
             when, _, handle, fn = heapq.heappop(self._timers)
             self._now = max(self._now, when)
             if not handle.cancelled:
-                fn()
+                contained(fn)()
         self._now = target
