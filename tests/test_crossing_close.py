@@ -11,14 +11,14 @@ from __future__ import annotations
 from pamqp import commands, frame
 
 from core.engine.broker import Broker
-from tests.amqp_client import Client, assemble, connected, content_frames, publish_bytes
+from tests.amqp_client import Client, Received, assemble, connected, content_frames, publish_bytes
 
 
 def _close(text: str = "bye") -> commands.Channel.Close:
     return commands.Channel.Close(reply_code=200, reply_text=text, class_id=0, method_id=0)
 
 
-def _kinds(frames: list[tuple[int, object]]) -> list[tuple[int, str]]:
+def _kinds(frames: Received) -> list[tuple[int, str]]:
     return [(ch, type(v).__name__) for ch, v in frames]
 
 

@@ -8,9 +8,11 @@ from __future__ import annotations
 import datetime
 import logging
 import struct
+from collections.abc import Iterator
 
 import pytest
 from pamqp import commands, encode, frame
+from pamqp.base import Frame as Method
 
 from amqp_frontend import codec
 from core.engine.broker import Broker
@@ -21,11 +23,16 @@ def _frame(channel: int, payload: bytes) -> bytes:
     return struct.pack(">BHI", 1, channel, len(payload)) + payload + b"\xce"
 
 
-def _method_payload(method: commands.Frame) -> bytes:
+def _method_payload(method: Method) -> bytes:
     return frame.marshal(method, 1)[7:-1]
 
 
-def _closes(frames: Received) -> list[tuple[int, int, str]]:
+def _feed(c: Client, data: bytes) -> Received:
+    c.send_raw(data)
+    return c.read()
+
+
+def _closes(frames: Received) -> list[tuple[int, int | None, str]]:
     return [
         (ch, v.reply_code, v.reply_text)
         for ch, v in frames
@@ -34,7 +41,7 @@ def _closes(frames: Received) -> list[tuple[int, int, str]]:
 
 
 @pytest.fixture(autouse=True)
-def no_tracebacks(caplog: pytest.LogCaptureFixture) -> None:
+def no_tracebacks(caplog: pytest.LogCaptureFixture) -> Iterator[None]:
     caplog.set_level(logging.INFO)
     yield
     assert not [r for r in caplog.records if r.exc_info], "a traceback was logged for a client's error"
@@ -46,7 +53,7 @@ def test_reply_text_is_cut_to_255_bytes_not_characters() -> None:
     name = ("é" * 127).encode()
     # Built by hand: pamqp's constructor refuses a non-ASCII queue name, the wire does not.
     payload = struct.pack(">HHH", 50, 10, 0) + bytes([len(name)]) + name + b"\x01" + struct.pack(">I", 0)
-    closes = _closes(c.send_raw(_frame(1, payload)) or c.read())
+    closes = _closes(_feed(c, _frame(1, payload)))
     assert len(closes) == 1
     ch, code, text = closes[0]
     assert (ch, code) == (1, 404)
@@ -60,7 +67,7 @@ def test_x_match_that_is_not_utf8_is_406() -> None:
     payload = _method_payload(
         commands.Queue.Bind(queue="q", exchange="h", arguments={"x-match": "anz", "a": 1})
     ).replace(b"anz", b"an\xcd")
-    closes = _closes(c.send_raw(_frame(1, payload)) or c.read())
+    closes = _closes(_feed(c, _frame(1, payload)))
     assert [(ch, code) for ch, code, _ in closes] == [(1, 406)]
     assert "Invalid x-match field value" in closes[0][2]
 
@@ -79,7 +86,7 @@ def test_method_arguments_nested_too_deep_are_502(depth: int) -> None:
     c = connected(Broker(), channels=(1,))
     head = _method_payload(commands.Queue.Declare(queue="deep", arguments={}))
     payload = head[: -4] + _nested_table(depth)  # arguments are the last field
-    closes = _closes(c.send_raw(_frame(1, payload)) or c.read())
+    closes = _closes(_feed(c, _frame(1, payload)))
     assert [(ch, code) for ch, code, _ in closes] == [(0, 502)]
 
 
@@ -87,7 +94,7 @@ def test_method_arguments_at_the_depth_limit_are_accepted() -> None:
     c = connected(Broker(), channels=(1,))
     head = _method_payload(commands.Queue.Declare(queue="ok", arguments={}))
     payload = head[: -4] + _nested_table(codec.MAX_TABLE_DEPTH)
-    frames = c.send_raw(_frame(1, payload)) or c.read()
+    frames = _feed(c, _frame(1, payload))
     assert isinstance(frames[0][1], commands.Queue.DeclareOk), frames
 
 
@@ -97,7 +104,7 @@ def test_timestamp_out_of_range_in_arguments_is_502() -> None:
     payload = _method_payload(commands.Queue.Declare(queue="t", arguments={"t": stamp}))
     raw = struct.pack(">Q", int(stamp.timestamp()))
     assert raw in payload
-    closes = _closes(c.send_raw(_frame(1, payload.replace(raw, b"\xff" * 8))) or c.read())
+    closes = _closes(_feed(c, _frame(1, payload.replace(raw, b"\xff" * 8))))
     assert [(ch, code) for ch, code, _ in closes] == [(0, 502)]
 
 
