@@ -151,7 +151,8 @@ class RateLimit(logging.Filter):
                 try:
                     logging.getLogger("leveret.logs").warning(
                         "log lines suppressed", extra={"suppressed": w.suppressed, "like": w.example,
-                                                       "logger_of": kind[0], "window_s": self.window},
+                                                       "logger_of": kind[0], "error_kind": kind[3],
+                                                       "window_s": self.window},
                     )
                 finally:
                     self._reporting = False
@@ -172,6 +173,15 @@ def install_rate_limit(logger: logging.Logger | None = None) -> RateLimit:
         if limit not in handler.filters:
             handler.addFilter(limit)
     return limit
+
+
+def flush_rate_limit(logger: logging.Logger | None = None) -> None:
+    """Report what the rate limit still holds (at shutdown), so no count is lost."""
+    for handler in (logger or logging.getLogger()).handlers:
+        for f in handler.filters:
+            if isinstance(f, RateLimit):
+                f.flush()
+                return
 
 
 # ------------------------------------------------------- the event loop

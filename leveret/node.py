@@ -190,6 +190,7 @@ class Node:
         if self.store is not None:
             await self.store.close()
         log.info("node stopped", extra={"node": self.broker.node_id})
+        logs.flush_rate_limit()
 
     async def run_until_signalled(self) -> None:
         stop = asyncio.Event()

@@ -23,6 +23,7 @@ from core.model import properties
 from core.model.errors import BrokerError
 
 FRAME_HEAD = struct.Struct(">BHI")
+PROTOCOL_HEADER = b"AMQP\x00\x00\x09\x01"
 
 # Reply codes a close may carry: AMQP's own, never 541 INTERNAL_ERROR.
 PROTOCOL_CODES = frozenset({200, 311, 312, 313, 320, 402, 403, 404, 405, 406,
