@@ -146,3 +146,21 @@ def test_linger_ends_at_the_timeout_for_a_peer_that_never_closes(raw: RawFactory
             client.sock.sendall(b"\x00" * 4096)
             time.sleep(0.05)
     assert time.monotonic() - started < 9
+
+
+def test_exclusive_queue_goes_at_close_ok_not_after_the_linger(raw: RawFactory) -> None:
+    """The linger keeps only the socket: what the connection held is released at once."""
+    first = raw()
+    first.handshake()
+    first.open_channel(1)
+    name = f"linger-exclusive-{time.monotonic_ns()}"
+    first.rpc(commands.Queue.Declare(queue=name, exclusive=True), channel=1)
+    first.send(_connection_close())
+    first.expect(commands.Connection.CloseOk)
+    # ``first`` keeps its socket open (the node lingers); the name is free already.
+    second = raw()
+    second.handshake()
+    second.open_channel(1)
+    ok = second.rpc(commands.Queue.Declare(queue=name, exclusive=True), channel=1)
+    assert isinstance(ok, commands.Queue.DeclareOk), ok
+    second.close()
