@@ -16,7 +16,7 @@ from pamqp.base import Frame as Method
 
 from amqp_frontend import codec
 from core.engine.broker import Broker
-from tests.amqp_client import PROTOCOL_HEADER, Client, Received, connected
+from tests.amqp_client import PROTOCOL_HEADER, Client, Received, connected, content_frames
 
 
 def _frame(channel: int, payload: bytes) -> bytes:
@@ -124,3 +124,33 @@ def test_decode_method_raises_only_decode_error_on_deep_pamqp_recursion() -> Non
     head = _method_payload(commands.Queue.Declare(queue="deep", arguments={}))
     with pytest.raises(codec.DecodeError):
         codec.decode_method(head[: -4] + _nested_table(20_000))
+
+
+def _shortstr(raw: bytes) -> bytes:
+    return bytes([len(raw)]) + raw
+
+
+@pytest.mark.parametrize("name", ["q 1", "очередь", "a/b?c"])
+def test_queue_names_outside_the_spec_domain_are_declared_as_rabbitmq_does(name: str) -> None:
+    """pamqp refused to build declare-ok for them after the queue existed (541, found by bench/fuzz.py)."""
+    broker = Broker()
+    c = connected(broker, channels=(1,))
+    payload = struct.pack(">HHH", 50, 10, 0) + _shortstr(name.encode()) + b"\x00" + struct.pack(">I", 0)
+    frames = _feed(c, _frame(1, payload))
+    assert len(frames) == 1 and isinstance(frames[0][1], commands.Queue.DeclareOk), frames
+    assert frames[0][1].queue == name
+    assert name in broker.vhosts["/"].queues
+    passive = struct.pack(">HHH", 50, 10, 0) + _shortstr(name.encode()) + b"\x01" + struct.pack(">I", 0)
+    assert isinstance(_feed(c, _frame(1, passive))[0][1], commands.Queue.DeclareOk)
+
+
+@pytest.mark.xfail(strict=True, reason="basic.return is built with pamqp's validation in the publish path of "
+                   "amqp_frontend/channel.py, which the 'publish' work rewrites; use codec.unvalidated there")
+def test_mandatory_return_from_an_exchange_named_outside_the_spec_domain() -> None:
+    c = connected(Broker(), channels=(1,))
+    name = "ex é".encode()
+    declare = struct.pack(">HHH", 40, 10, 0) + _shortstr(name) + _shortstr(b"direct") + b"\x00" + struct.pack(">I", 0)
+    assert isinstance(_feed(c, _frame(1, declare))[0][1], commands.Exchange.DeclareOk)
+    publish = struct.pack(">HHH", 60, 40, 0) + _shortstr(name) + _shortstr(b"nowhere") + b"\x01"
+    frames = _feed(c, _frame(1, publish) + content_frames(1, b"x"))
+    assert isinstance(frames[0][1], commands.Basic.Return), frames
