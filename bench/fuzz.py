@@ -290,6 +290,7 @@ def open_fds(pid: int) -> int:
 def read_log(path: Path) -> dict[str, Any]:
     """Lines, bytes and internal errors (by kind) in the node's JSON log."""
     internal: Counter[str] = Counter()
+    by_message: Counter[str] = Counter()
     suppressed = 0
     lines = 0
     raw = path.read_bytes() if path.exists() else b""
@@ -302,15 +303,21 @@ def read_log(path: Path) -> dict[str, Any]:
         msg = str(record.get("msg", ""))
         like = str(record.get("like", ""))
         kind = str(record.get("error_kind", "")) or msg
+        by_message[msg] += 1
+        # Lines the rate limit held back: reported on a summary line, or on
+        # the next line of the same kind as ``suppressed_before``.
+        held = int(record.get("suppressed_before", 0))
+        suppressed += held
         if msg == "log lines suppressed":
             suppressed += int(record.get("suppressed", 0))
             if like.startswith(INTERNAL_MESSAGES):
                 internal[kind] += int(record.get("suppressed", 0))
         elif msg.startswith(INTERNAL_MESSAGES):
-            internal[kind] += 1
+            internal[kind] += 1 + held
     publish_owned = {k: v for k, v in internal.items() if any(p in k for p in fuzzing.PUBLISH_OWNED_FILES)}
     ours = {k: v for k, v in internal.items() if k not in publish_owned}
     return {"bytes": len(raw), "lines": lines, "suppressed_lines_reported": suppressed,
+            "lines_by_message": dict(by_message.most_common(8)),
             "internal_errors": ours, "publish_owned_internal_errors": publish_owned}
 
 
@@ -366,11 +373,15 @@ def _measure(args: argparse.Namespace, url: BrokerUrl, pid: int | None, node: No
     for t in threads:
         t.start()
     crashed = False
+    samples: list[tuple[int, int, int]] = []  # (second, RSS MiB, fds) every 30 s: flat or growing?
     while time.monotonic() < deadline:
         time.sleep(1.0)
         if node is not None and not node.running():
             crashed = True
             break
+        elapsed = int(time.monotonic() - started)
+        if pid and elapsed // 30 > len(samples) - 1:
+            samples.append((elapsed, rss_bytes(pid) >> 20, open_fds(pid)))
         if args.progress:
             with tally.lock:
                 print(f"\r{time.monotonic() - started:6.0f}s frames {tally.frames_sent} "
@@ -394,6 +405,7 @@ def _measure(args: argparse.Namespace, url: BrokerUrl, pid: int | None, node: No
         "crashes": int(crashed),
         "node_before": before,
         "node_after": after,
+        "node_samples_s_rss_mib_fds": samples,
         "canary": {
             "round_trips": tally.canary_ok,
             "failures": tally.canary_failed,
