@@ -31,6 +31,7 @@ HEARTBEAT_FRAME = b"\x08\x00\x00\x00\x00\x00\x00\xce"
 # class_id << 16 | method_id of the methods with a fast path.
 BASIC_PUBLISH_ID = b"\x00\x3c\x00\x28"
 BASIC_ACK_ID = b"\x00\x3c\x00\x50"
+CHANNEL_OPEN_ID = b"\x00\x14\x00\x0a"
 
 frame_head = struct.Struct(">BHI")
 _method_head = struct.Struct(">BHIHH")

@@ -43,7 +43,6 @@ CHANNEL_ERROR_CODES = frozenset({311, 312, 313, 403, 404, 405, 406})
 FRAME_MIN_SIZE = 4096
 CONNECTION_CLOSE_ID = b"\x00\x0a\x00\x32"
 CONNECTION_CLOSE_OK_ID = b"\x00\x0a\x00\x33"
-CHANNEL_OPEN_ID = b"\x00\x14\x00\x0a"
 
 
 @dataclass
@@ -385,7 +384,7 @@ class Connection:
             if self.state is not State.OPEN:
                 raise ChannelError(f"channel {number} used before the connection was opened")
             ch = self.channels.get(number)
-            if ch is None and number in self._crossed and payload[:4] != CHANNEL_OPEN_ID:
+            if ch is None and number in self._crossed and payload[:4] != codec.CHANNEL_OPEN_ID:
                 return  # written before the client saw our channel.close: discarded
             if payload[:4] == codec.BASIC_PUBLISH_ID:
                 # Hot path: publish without pamqp.
