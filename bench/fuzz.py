@@ -45,7 +45,7 @@ SEEDS = fuzzing.seeds()
 CONNECTION_CLOSE = b"\x00\x0a\x00\x32"
 CONNECTION_CLOSE_OK = b"\x00\x0a\x00\x33"
 CHANNEL_CLOSE = b"\x00\x14\x00\x28"
-INTERNAL_MESSAGES = ("internal error", "timer callback failed", "unhandled exception in the event loop",
+INTERNAL_MESSAGES = ("internal error", "callback failed", "unhandled exception in the event loop",
                      "tick failed", "cluster operation failed")
 
 

@@ -4,14 +4,20 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from pathlib import Path
 from typing import Any
 
 import pytest
 
+from core.durable.durability import QueueStorage
+from core.durable.group_commit import GroupCommitter
 from core.engine.queue import QueuedMessage
 from core.engine.vhost import VirtualHost
 from core.model import clock as clock_module
 from core.model.clock import AsyncioScheduler, ManualScheduler
+from core.model.message import Message
+from core.ports.store import QueueRecord
+from persistence.sqlite import SQLiteStore
 from tests.test_queue import FakeSink, ready_bodies
 from tests.test_queue_args import OWNER, publish, subscribe
 
@@ -50,7 +56,7 @@ def test_failing_drop_in_expiry_timer_is_contained_and_ttl_keeps_working(
         clock.advance(0.6)  # poison's timer fires and fails: nothing escapes advance()
     assert calls == [[b"poison"]]
     assert clock_module.callback_failures["QueueChannel._on_expiry_timer"] == before + 1
-    failed = [r for r in caplog.records if r.getMessage() == "timer callback failed; contained"]
+    failed = [r for r in caplog.records if r.getMessage() == "callback failed; contained"]
     assert len(failed) == 1 and failed[0].exc_info is not None
     # The timer was re-armed for the next head despite the failure: it expires on time.
     clock.advance(0.5)
@@ -96,3 +102,33 @@ def test_cancelled_timer_is_still_cancellable_through_the_wrapper() -> None:
 
     asyncio.run(main())
     assert ran == []
+
+
+async def test_a_failing_commit_callback_does_not_stop_the_others_or_the_flusher(tmp_path: Path) -> None:
+    """A real SQLite store; one confirm callback raises (an injected bug behind one connection)."""
+    store = SQLiteStore(str(tmp_path / "s.sqlite3"))
+    await store.open()
+    try:
+        await store.save_queue(QueueRecord("/", "q"))
+        committer = GroupCommitter(store)
+        storage = QueueStorage("/", "q", committer, await store.claim("/", "q"))
+        outcomes: list[str] = []
+
+        def broken(_error: BaseException | None) -> None:
+            raise RuntimeError("injected failure in a commit callback")
+
+        storage.append(QueuedMessage(Message("", "q", b"\x00\x00", b"a"), 0))
+        committer.when_committed(broken)
+        committer.when_committed(lambda error: outcomes.append(f"first {error}"))
+        before = sum(clock_module.callback_failures.values())
+        await committer.drain()
+        assert outcomes == ["first None"]
+        assert sum(clock_module.callback_failures.values()) == before + 1
+        # The flusher still runs: the next batch commits and confirms.
+        storage.append(QueuedMessage(Message("", "q", b"\x00\x00", b"b"), 1))
+        committer.when_committed(lambda error: outcomes.append(f"second {error}"))
+        await committer.drain()
+        assert outcomes == ["first None", "second None"]
+        assert [m.offset for m in await store.load_messages("/", "q")] == [0, 1]
+    finally:
+        await store.close()

@@ -32,6 +32,7 @@ from core.engine.stream_args import parse_reader
 from core.grpc_api import internal_pb2 as pb
 from core.grpc_api import internal_pb2_grpc as pb_grpc
 from core.model import properties
+from core.model.clock import call_contained
 from core.model.errors import BrokerError, NotFound
 from core.model.fieldtable import decode_table
 from core.model.message import Message, QueuedMessage
@@ -420,7 +421,7 @@ class PeerLink:
     @staticmethod
     def _fail(cbs: list[tuple[int, Forwarded]]) -> None:
         for _, cb in cbs:
-            cb(False)
+            call_contained(cb, False)
 
     async def _forward_loop(self, q: asyncio.Queue[pb.ForwardBatch | None]) -> None:
         async def requests() -> AsyncIterator[pb.ForwardBatch]:
@@ -439,7 +440,8 @@ class PeerLink:
                     self._set_congested(False)
                 accepted = result.accepted
                 for index, cb in cbs:
-                    cb(not result.error and index < len(accepted) and accepted[index])
+                    # Contained: one publisher's failing callback must not end this stream for all.
+                    call_contained(cb, not result.error and index < len(accepted) and accepted[index])
                 if self._barriers:
                     self._release_barriers(result.seq)
                 if self._batch_count and not self._flush_scheduled:
@@ -680,7 +682,7 @@ class QueueRemote:
                         extra={"vhost": self.queue.vhost, "queue": self.queue.name, "messages": len(held)})
         for _, cbs in held:
             for cb in cbs:
-                cb(False)
+                call_contained(cb, False)
 
     def _release_held(self) -> None:
         if self._held_timer is not None:

@@ -18,6 +18,7 @@ import time
 from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING
 
+from core.model.clock import call_contained
 from core.ports.store import Batch, Fenced, MessageStore, StoredMessage, StoreError
 
 if TYPE_CHECKING:
@@ -171,7 +172,7 @@ class GroupCommitter:
                 self._items = [item, *rest]
                 for p in behind:
                     for done in p.callbacks:
-                        done(exc)
+                        call_contained(done, exc)
                 await asyncio.sleep(backoff)
                 backoff = min(backoff * 2, 5.0)
                 continue
@@ -212,8 +213,10 @@ class GroupCommitter:
                 elapsed = time.perf_counter() - started
                 if elapsed > 1.0:
                     log.warning("slow store commit", extra={"seconds": round(elapsed, 3), "ops": len(batch)})
+        # One failing callback (a bug behind one connection's confirms) must
+        # not stop the others, nor this flusher, which every durable write waits on.
         for done in p.callbacks:
-            done(error)
+            call_contained(done, error)
 
     async def drain(self) -> None:
         """Wait until everything added so far is committed (shutdown, tests)."""

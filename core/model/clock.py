@@ -34,15 +34,24 @@ def contained(fn: Callable[[], None]) -> Callable[[], None]:
     """
 
     def run() -> None:
-        try:
-            fn()
-        except Exception:  # noqa: BLE001 - contained by design, see the docstring
-            name = getattr(fn, "__qualname__", type(fn).__name__)
-            callback_failures[name] += 1
-            log.error("timer callback failed; contained", exc_info=True,
-                      extra={"callback": name, "failures": callback_failures[name]})
+        call_contained(fn)
 
     return run
+
+
+def call_contained(fn: Callable[..., None], *args: object) -> None:
+    """Call ``fn(*args)``; an exception is counted in ``callback_failures`` and logged, not raised.
+
+    For loops over other parties' callbacks (a commit's confirm callbacks):
+    one that fails must not keep the others from running.
+    """
+    try:
+        fn(*args)
+    except Exception:  # noqa: BLE001 - contained by design, see contained()
+        name = getattr(fn, "__qualname__", type(fn).__name__)
+        callback_failures[name] += 1
+        log.error("callback failed; contained", exc_info=True,
+                  extra={"callback": name, "failures": callback_failures[name]})
 
 
 class TimerHandle(Protocol):
