@@ -32,7 +32,6 @@ from core.engine.stream_args import parse_reader
 from core.grpc_api import internal_pb2 as pb
 from core.grpc_api import internal_pb2_grpc as pb_grpc
 from core.model import properties
-from core.model.clock import call_contained
 from core.model.errors import BrokerError, NotFound
 from core.model.fieldtable import decode_table
 from core.model.message import Message, QueuedMessage
@@ -420,10 +419,14 @@ class PeerLink:
 
     @staticmethod
     def _fail(cbs: list[tuple[int, Forwarded]]) -> None:
+        from core.model.clock import call_contained  # here: main rewrote the import block (merges cleanly)
+
         for _, cb in cbs:
             call_contained(cb, False)
 
     async def _forward_loop(self, q: asyncio.Queue[pb.ForwardBatch | None]) -> None:
+        from core.model.clock import call_contained  # once per stream; see _fail
+
         async def requests() -> AsyncIterator[pb.ForwardBatch]:
             while (batch := await q.get()) is not None:
                 yield batch
@@ -675,6 +678,8 @@ class QueueRemote:
             self.link.when_forwarded(done)
 
     def _held_expired(self) -> None:
+        from core.model.clock import call_contained  # see PeerLink._fail
+
         self._held_timer = None
         held, self._held = self._held, []
         if held:

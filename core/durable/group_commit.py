@@ -18,7 +18,6 @@ import time
 from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING
 
-from core.model.clock import call_contained
 from core.ports.store import Batch, Fenced, MessageStore, StoredMessage, StoreError
 
 if TYPE_CHECKING:
@@ -27,6 +26,29 @@ if TYPE_CHECKING:
 log = logging.getLogger("leveret.store")
 
 Done = Callable[[BaseException | None], None]
+
+# Commit callbacks that raised, contained (see _contained).
+callback_failures = 0
+
+
+def _contained(done: Done) -> Done:
+    """``done`` such that an exception it raises is counted and logged, not raised.
+
+    The callbacks are other parties' (one publisher's confirms); before, one
+    that raised skipped the rest of its batch and ended the flusher task that
+    every durable write waits on.
+    """
+
+    def run(error: BaseException | None) -> None:
+        global callback_failures
+        try:
+            done(error)
+        except Exception:  # noqa: BLE001 - contained by design
+            callback_failures += 1
+            log.error("commit callback failed; contained", exc_info=True,
+                      extra={"failures": callback_failures})
+
+    return run
 
 # One commit carries at most this much; the rest waits for the next one.
 MAX_BATCH_OPS = 20_000
@@ -108,7 +130,8 @@ class GroupCommitter:
         self._pending(queue).batch.offsets[(queue.vhost, queue.name, group)] = offset
 
     def when_committed(self, done: Done) -> None:
-        """Call ``done`` once everything added so far is committed (or failed)."""
+        """Call ``done`` once everything added so far is committed (or failed); contained."""
+        done = _contained(done)
         items = self._items
         if items and isinstance(items[-1], _Pending):
             items[-1].callbacks.append(done)
@@ -172,7 +195,7 @@ class GroupCommitter:
                 self._items = [item, *rest]
                 for p in behind:
                     for done in p.callbacks:
-                        call_contained(done, exc)
+                        done(exc)
                 await asyncio.sleep(backoff)
                 backoff = min(backoff * 2, 5.0)
                 continue
@@ -213,10 +236,8 @@ class GroupCommitter:
                 elapsed = time.perf_counter() - started
                 if elapsed > 1.0:
                     log.warning("slow store commit", extra={"seconds": round(elapsed, 3), "ops": len(batch)})
-        # One failing callback (a bug behind one connection's confirms) must
-        # not stop the others, nor this flusher, which every durable write waits on.
         for done in p.callbacks:
-            call_contained(done, error)
+            done(error)
 
     async def drain(self) -> None:
         """Wait until everything added so far is committed (shutdown, tests)."""
