@@ -609,7 +609,7 @@ class Channel:
             if name != direct_reply.PSEUDO_QUEUE and not self.conn.broker.reply_to.is_live(name):
                 raise NotFound(f"no queue '{name}' in vhost '{self.vhost.name}'")
             if not m.nowait:
-                self._reply(codec.queue_declare_ok(name, 0, 1))
+                self._reply(commands.Queue.DeclareOk(queue=name, message_count=0, consumer_count=1))
             return
         if m.passive and not name:
             name = self._queue_name("")
@@ -629,7 +629,7 @@ class Channel:
         self.last_queue = q.name
         if not m.nowait:
             self._reply(
-                codec.queue_declare_ok(q.name, q.message_count, q.consumer_count)
+                commands.Queue.DeclareOk(queue=q.name, message_count=q.message_count, consumer_count=q.consumer_count)
             )
 
     def _queue_declare_cluster(self, m: commands.Queue.Declare, name: str) -> None:
@@ -650,7 +650,7 @@ class Channel:
             q, messages, consumers = result
             self.last_queue = q.name
             if not m.nowait:
-                self._reply(codec.queue_declare_ok(q.name, messages, consumers))
+                self._reply(commands.Queue.DeclareOk(queue=q.name, message_count=messages, consumer_count=consumers))
 
         conn.suspend(self, 50, 10, op(), then)
 

@@ -144,8 +144,6 @@ def test_queue_names_outside_the_spec_domain_are_declared_as_rabbitmq_does(name:
     assert isinstance(_feed(c, _frame(1, passive))[0][1], commands.Queue.DeclareOk)
 
 
-@pytest.mark.xfail(strict=True, reason="basic.return is built with pamqp's validation in the publish path of "
-                   "amqp_frontend/channel.py, which the 'publish' work rewrites; use codec.unvalidated there")
 def test_mandatory_return_from_an_exchange_named_outside_the_spec_domain() -> None:
     c = connected(Broker(), channels=(1,))
     name = "ex é".encode()
