@@ -19,6 +19,7 @@ from pamqp.base import Frame as Method
 from pamqp.body import ContentBody
 from pamqp.header import ContentHeader
 
+from core.engine.broker import Broker
 from core.model import properties
 from core.model.errors import BrokerError
 
@@ -37,6 +38,17 @@ PUBLISH_DECODERS_HARDENED = issubclass(properties.PropertiesError, BrokerError)
 PUBLISH_OWNED_FILES = ("core/model/fieldtable.py", "core/model/properties.py")
 
 STAMP = datetime.datetime(2020, 1, 1, tzinfo=datetime.UTC)
+
+
+def fresh_broker() -> Broker:
+    """A broker as the front-end tests build it: with tests/brokers.py's local
+    coordinator where that module exists (the local-coordinator work), else plain."""
+    try:
+        from tests.brokers import local_broker  # type: ignore[import-not-found,unused-ignore]
+    except ImportError:
+        return Broker()
+    broker: Broker = local_broker()
+    return broker
 
 
 def _m(method: Method, channel: int = 1) -> bytes:

@@ -12,6 +12,7 @@ from pamqp import commands, frame
 
 from core.engine.broker import Broker
 from tests.amqp_client import Client, Received, assemble, connected, content_frames, publish_bytes
+from tests.fuzzing import fresh_broker
 
 
 def _close(text: str = "bye") -> commands.Channel.Close:
@@ -31,7 +32,7 @@ def _second_channel_works(c: Client, broker: Broker) -> None:
 
 
 def test_client_close_then_close_ok_to_ours_is_not_a_connection_error() -> None:
-    broker = Broker()
+    broker = fresh_broker()
     c = connected(broker, channels=(1, 2))
     # Node's close (404) crosses the client's close: the client's close arrives
     # while ours is in flight, then its close-ok to ours.
@@ -44,7 +45,7 @@ def test_client_close_then_close_ok_to_ours_is_not_a_connection_error() -> None:
 
 
 def test_frames_sent_before_the_client_saw_our_close_are_discarded() -> None:
-    broker = Broker()
+    broker = fresh_broker()
     c = connected(broker, channels=(1, 2))
     c.publish(1, b"x", exchange="missing")
     c.read()
@@ -67,7 +68,7 @@ def test_frames_sent_before_the_client_saw_our_close_are_discarded() -> None:
 
 def test_crossing_close_in_one_read_with_the_failing_publish() -> None:
     """The publish that fails and the client's close in the same TCP segment."""
-    broker = Broker()
+    broker = fresh_broker()
     c = connected(broker, channels=(1, 2))
     c.send_raw(publish_bytes(1, b"x", exchange="missing") + frame.marshal(_close(), 1))
     assert _kinds(c.read()) == [(1, "Close"), (1, "CloseOk")]
@@ -78,14 +79,14 @@ def test_crossing_close_in_one_read_with_the_failing_publish() -> None:
 
 def test_unknown_channel_still_a_channel_error() -> None:
     """The grace is for crossed numbers only: a frame on a never-opened channel is still 504."""
-    c = connected(Broker(), channels=(1,))
+    c = connected(fresh_broker(), channels=(1,))
     frames = c.call(5, commands.Queue.Declare(queue="x"))
     close = [v for _, v in frames if isinstance(v, commands.Connection.Close)]
     assert close and close[0].reply_code == 504
 
 
 def test_connection_close_crossing_discards_pending_frames() -> None:
-    c = connected(Broker(), channels=(1,))
+    c = connected(fresh_broker(), channels=(1,))
     c.conn.close()
     assert _kinds(c.read()) == [(0, "Close")]
     # Frames the client wrote before it saw our close, then its own close.

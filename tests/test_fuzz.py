@@ -99,7 +99,7 @@ def feed(client: Client, data: bytes, cuts: list[int]) -> bytes:
 )
 def test_mutated_frames_on_an_open_connection(picks: list[int], mutations: int, rnd: random.Random,
                                               cuts: list[int]) -> None:
-    broker = Broker()
+    broker = fuzzing.fresh_broker()
     client = connected(broker, channels=(1,))
     client.send(1, *fuzzing.SETUP)
     client.read()
@@ -127,7 +127,7 @@ def test_mutated_frames_on_an_open_connection(picks: list[int], mutations: int, 
 @FUZZ
 @given(data=st.binary(max_size=300), header=st.booleans(), rnd=st.randoms(use_true_random=False))
 def test_garbage_during_the_handshake(data: bytes, header: bool, rnd: random.Random) -> None:
-    broker = Broker()
+    broker = fuzzing.fresh_broker()
     client = Client(broker)
     payload = (PROTOCOL_HEADER if header else b"") + data
     if header and rnd.random() < 0.5:

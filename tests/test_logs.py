@@ -10,9 +10,9 @@ from collections.abc import Iterator
 import pytest
 from pamqp import commands
 
-from core.engine.broker import Broker
 from leveret.logs import JSONFormatter, RateLimit
 from tests.amqp_client import PROTOCOL_HEADER, Client
+from tests.fuzzing import fresh_broker
 
 
 class FakeClock:
@@ -116,7 +116,7 @@ def test_refused_login_flood_is_bounded(
     counter = Every()
     every = counter.records
     logging.getLogger().addHandler(counter)
-    broker = Broker()
+    broker = fresh_broker()
     try:
         for _ in range(300):
             c = Client(broker)

@@ -15,8 +15,8 @@ from pamqp import commands, encode, frame
 from pamqp.base import Frame as Method
 
 from amqp_frontend import codec
-from core.engine.broker import Broker
 from tests.amqp_client import PROTOCOL_HEADER, Client, Received, connected, content_frames
+from tests.fuzzing import fresh_broker
 
 
 def _frame(channel: int, payload: bytes) -> bytes:
@@ -49,7 +49,7 @@ def no_tracebacks(caplog: pytest.LogCaptureFixture) -> Iterator[None]:
 
 def test_reply_text_is_cut_to_255_bytes_not_characters() -> None:
     """A name of 127 'é' (254 bytes) makes a 404 text of ~150 characters and ~290 bytes."""
-    c = connected(Broker(), channels=(1,))
+    c = connected(fresh_broker(), channels=(1,))
     name = ("é" * 127).encode()
     # Built by hand: pamqp's constructor refuses a non-ASCII queue name, the wire does not.
     payload = struct.pack(">HHH", 50, 10, 0) + bytes([len(name)]) + name + b"\x01" + struct.pack(">I", 0)
@@ -61,7 +61,7 @@ def test_reply_text_is_cut_to_255_bytes_not_characters() -> None:
 
 
 def test_x_match_that_is_not_utf8_is_406() -> None:
-    c = connected(Broker(), channels=(1,))
+    c = connected(fresh_broker(), channels=(1,))
     c.call(1, commands.Exchange.Declare(exchange="h", exchange_type="headers"))
     c.call(1, commands.Queue.Declare(queue="q"))
     payload = _method_payload(
@@ -83,7 +83,7 @@ def _nested_table(depth: int) -> bytes:
 
 @pytest.mark.parametrize("depth", [codec.MAX_TABLE_DEPTH + 1, 5000])
 def test_method_arguments_nested_too_deep_are_502(depth: int) -> None:
-    c = connected(Broker(), channels=(1,))
+    c = connected(fresh_broker(), channels=(1,))
     head = _method_payload(commands.Queue.Declare(queue="deep", arguments={}))
     payload = head[: -4] + _nested_table(depth)  # arguments are the last field
     closes = _closes(_feed(c, _frame(1, payload)))
@@ -91,7 +91,7 @@ def test_method_arguments_nested_too_deep_are_502(depth: int) -> None:
 
 
 def test_method_arguments_at_the_depth_limit_are_accepted() -> None:
-    c = connected(Broker(), channels=(1,))
+    c = connected(fresh_broker(), channels=(1,))
     head = _method_payload(commands.Queue.Declare(queue="ok", arguments={}))
     payload = head[: -4] + _nested_table(codec.MAX_TABLE_DEPTH)
     frames = _feed(c, _frame(1, payload))
@@ -99,7 +99,7 @@ def test_method_arguments_at_the_depth_limit_are_accepted() -> None:
 
 
 def test_timestamp_out_of_range_in_arguments_is_502() -> None:
-    c = connected(Broker(), channels=(1,))
+    c = connected(fresh_broker(), channels=(1,))
     stamp = datetime.datetime(2020, 1, 1, tzinfo=datetime.UTC)
     payload = _method_payload(commands.Queue.Declare(queue="t", arguments={"t": stamp}))
     raw = struct.pack(">Q", int(stamp.timestamp()))
@@ -109,7 +109,7 @@ def test_timestamp_out_of_range_in_arguments_is_502() -> None:
 
 
 def test_amqplain_with_a_bad_timestamp_is_a_refused_login() -> None:
-    c = Client(Broker())
+    c = Client(fresh_broker())
     c.send_raw(PROTOCOL_HEADER)
     c.read()
     table = encode.field_table({"LOGIN": "guest", "T": datetime.datetime(2020, 1, 1)})[4:]
@@ -133,7 +133,7 @@ def _shortstr(raw: bytes) -> bytes:
 @pytest.mark.parametrize("name", ["q 1", "очередь", "a/b?c"])
 def test_queue_names_outside_the_spec_domain_are_declared_as_rabbitmq_does(name: str) -> None:
     """pamqp refused to build declare-ok for them after the queue existed (541, found by bench/fuzz.py)."""
-    broker = Broker()
+    broker = fresh_broker()
     c = connected(broker, channels=(1,))
     payload = struct.pack(">HHH", 50, 10, 0) + _shortstr(name.encode()) + b"\x00" + struct.pack(">I", 0)
     frames = _feed(c, _frame(1, payload))
@@ -145,7 +145,7 @@ def test_queue_names_outside_the_spec_domain_are_declared_as_rabbitmq_does(name:
 
 
 def test_mandatory_return_from_an_exchange_named_outside_the_spec_domain() -> None:
-    c = connected(Broker(), channels=(1,))
+    c = connected(fresh_broker(), channels=(1,))
     name = "ex é".encode()
     declare = struct.pack(">HHH", 40, 10, 0) + _shortstr(name) + _shortstr(b"direct") + b"\x00" + struct.pack(">I", 0)
     assert isinstance(_feed(c, _frame(1, declare))[0][1], commands.Exchange.DeclareOk)
