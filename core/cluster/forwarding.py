@@ -419,7 +419,7 @@ class PeerLink:
 
     @staticmethod
     def _fail(cbs: list[tuple[int, Forwarded]]) -> None:
-        from core.model.clock import call_contained  # here: main rewrote the import block (merges cleanly)
+        from core.model.clock import call_contained  # local import: keeps off the import block others rewrote
 
         for _, cb in cbs:
             call_contained(cb, False)

@@ -50,6 +50,7 @@ def _contained(done: Done) -> Done:
 
     return run
 
+
 # One commit carries at most this much; the rest waits for the next one.
 MAX_BATCH_OPS = 20_000
 MAX_BATCH_BYTES = 64 * 1024 * 1024
