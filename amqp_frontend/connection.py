@@ -111,6 +111,7 @@ class Connection:
         # client may still send our close a close-ok, or frames it wrote before
         # it saw our close. They are discarded until it opens the number again.
         self._crossed: set[int] = set()
+        self._lost = False  # connection_lost ran
         self.user: User | None = None
         self.username = ""
         self.vhost: VirtualHost | None = None
@@ -682,7 +683,14 @@ class Connection:
         self.close_reason = self.close_reason or reason
 
     def connection_lost(self) -> None:
-        """The transport is gone: requeue what this connection held, drop its exclusive queues."""
+        """The transport is gone: requeue what this connection held, drop its exclusive queues.
+
+        Once only: the server calls it when its lingering close starts and
+        again when the socket is finally gone.
+        """
+        if self._lost:
+            return
+        self._lost = True
         self.state = State.CLOSED
         self.should_close = True
         for ch in list(self.channels.values()):

@@ -26,7 +26,6 @@ class AMQPProtocol(asyncio.Protocol):
         self._loop = asyncio.get_running_loop()
         self._linger: asyncio.TimerHandle | None = None
         self._lingering = False
-        self._released = False
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         # uvloop's transport is not an asyncio.Transport subclass, so no isinstance check.
@@ -128,7 +127,7 @@ class AMQPProtocol(asyncio.Protocol):
         see EPIPE/ECONNRESET instead of its close-ok. RabbitMQ lingers too.
         """
         self._lingering = True
-        self._release(conn)  # unacked messages and exclusive queues go now, not after the linger
+        conn.connection_lost()  # unacked messages and exclusive queues go now, not after the linger
         if transport.is_closing():
             return
         if transport.can_write_eof():
@@ -139,11 +138,6 @@ class AMQPProtocol(asyncio.Protocol):
 
     def eof_received(self) -> bool | None:
         return None  # the peer closed its side: close ours (ends a linger too)
-
-    def _release(self, conn: Connection) -> None:
-        if not self._released:
-            self._released = True
-            conn.connection_lost()
 
     def pause_writing(self) -> None:
         if self.conn is not None:
@@ -156,11 +150,11 @@ class AMQPProtocol(asyncio.Protocol):
 
     def connection_lost(self, exc: Exception | None) -> None:
         self.server.connections.discard(self)
+        if self.conn is not None:
+            self.conn.connection_lost()
+        self.transport = None
         if self._linger is not None:
             self._linger.cancel()
-        if self.conn is not None:
-            self._release(self.conn)
-        self.transport = None
 
     def tick(self, now: float) -> None:
         conn = self.conn

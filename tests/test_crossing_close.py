@@ -8,6 +8,9 @@ the connection untouched; so must we.
 
 from __future__ import annotations
 
+import logging
+
+import pytest
 from pamqp import commands, frame
 
 from core.engine.broker import Broker
@@ -97,3 +100,16 @@ def test_connection_close_crossing_discards_pending_frames() -> None:
     frames = c.call(0, commands.Connection.Close(reply_code=200, reply_text="bye", class_id=0, method_id=0))
     assert _kinds(frames) == [(0, "CloseOk")]
     assert c.conn.should_close
+
+
+def test_connection_lost_runs_once(caplog: pytest.LogCaptureFixture) -> None:
+    """The server calls it when its lingering close starts and again when the socket is gone."""
+    broker = fresh_broker()
+    c = connected(broker, channels=(1,))
+    c.declare_queue(1, "mine", exclusive=True)
+    c.call(0, commands.Connection.Close(reply_code=200, reply_text="bye", class_id=0, method_id=0))
+    with caplog.at_level(logging.INFO, logger="leveret.amqp"):
+        c.conn.connection_lost()  # linger starts: released now
+        assert "mine" not in broker.vhosts["/"].queues
+        c.conn.connection_lost()  # socket gone
+    assert [r.getMessage() for r in caplog.records].count("connection closed") == 1
