@@ -31,6 +31,7 @@ HEARTBEAT_FRAME = b"\x08\x00\x00\x00\x00\x00\x00\xce"
 # class_id << 16 | method_id of the methods with a fast path.
 BASIC_PUBLISH_ID = b"\x00\x3c\x00\x28"
 BASIC_ACK_ID = b"\x00\x3c\x00\x50"
+CHANNEL_OPEN_ID = b"\x00\x14\x00\x0a"
 
 frame_head = struct.Struct(">BHI")
 _method_head = struct.Struct(">BHIHH")
@@ -40,6 +41,12 @@ _ack = struct.Struct(">QB")
 _deliver_tail = struct.Struct(">QB")
 header_payload = struct.Struct(">HHQ")
 _header_frame_head = struct.Struct(">BHIHHQ")
+
+
+# Field tables in method arguments (x-arguments, client properties) may nest
+# no deeper than this: the same bound core/model/fieldtable.py puts on message
+# headers. Deeper tables are stored and re-encoded recursively elsewhere.
+MAX_TABLE_DEPTH = 64
 
 
 class DecodeError(ValueError):
@@ -59,7 +66,67 @@ def decode_method(payload: bytes) -> Method:
         method.unmarshal(payload[4:])
     except (struct.error, ValueError, UnicodeDecodeError, UnmarshalingException, IndexError) as exc:
         raise DecodeError(f"cannot decode {method.name}: {exc}") from exc
+    except (RecursionError, OverflowError, OSError, TypeError, KeyError, AttributeError) as exc:
+        # pamqp on hostile bytes: tables nested past the interpreter's recursion
+        # limit, timestamps out of range (OverflowError, OSError EOVERFLOW),
+        # malformed values. All are the client's malformed frame.
+        raise DecodeError(f"cannot decode {method.name}: {type(exc).__name__}: {exc}") from exc
+    for name in _TABLE_ARGUMENTS.get(index, ()):
+        if table_depth(getattr(method, name, None)) > MAX_TABLE_DEPTH:
+            raise DecodeError(f"cannot decode {method.name}: '{name}' nests deeper than {MAX_TABLE_DEPTH}")
     return method
+
+
+# The methods with field-table arguments a client sends, by index.
+_TABLE_FIELDS = ("arguments", "client_properties", "server_properties")
+_TABLE_ARGUMENTS: dict[int, tuple[str, ...]] = {
+    index: names
+    for index, cls in commands.INDEX_MAPPING.items()
+    if (names := tuple(n for n in getattr(cls, "__slots__", ()) if n in _TABLE_FIELDS))
+}
+
+
+def table_depth(value: object) -> int:
+    """How deep tables and arrays nest in ``value`` (0 for a scalar), without recursion."""
+    deepest = 0
+    stack: list[tuple[object, int]] = [(value, 0)]
+    while stack:
+        item, depth = stack.pop()
+        if isinstance(item, dict):
+            children: object = item.values()
+        elif isinstance(item, list):
+            children = item
+        else:
+            continue
+        depth += 1
+        if depth > deepest:
+            deepest = depth
+            if deepest > MAX_TABLE_DEPTH:
+                return deepest
+        stack.extend((child, depth) for child in children)  # type: ignore[attr-defined]
+    return deepest
+
+
+# Replies that carry a client's names. pamqp checks them against the spec's
+# domain (``^[a-zA-Z0-9-_.:]*$``, exchange names at most 127 characters) when
+# one is built and again when it is encoded; RabbitMQ, and so we, accept any
+# UTF-8 name up to 255 bytes. Building queue.declare-ok for a queue named
+# "очередь" raised ValueError after the queue existed, and basic.return for a
+# publish to an exchange named "ex é" did the same (541s found by
+# bench/fuzz.py). The node only ever builds these replies (a client sends none
+# of them), so their validation is switched off here, in one place, rather
+# than at every call site in the channel.
+REPLIES_WITH_CLIENT_NAMES: tuple[type[Method], ...] = (
+    commands.Queue.DeclareOk, commands.Basic.Return, commands.Basic.Deliver, commands.Basic.GetOk,
+)
+
+
+def _no_validation(self: Method) -> None:
+    pass
+
+
+for _reply in REPLIES_WITH_CLIENT_NAMES:
+    _reply.validate = _no_validation  # type: ignore[method-assign]
 
 
 def encode_method(channel: int, method: Method) -> bytes:

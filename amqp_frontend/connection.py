@@ -65,6 +65,10 @@ class ServerSettings:
     max_message_size: int = 128 * 1024 * 1024
     handshake_timeout: float = 10.0
     close_timeout: float = 3.0
+    # After the last close frame goes out the server half-closes and keeps
+    # reading (discarding) this long for the peer to close its side, so bytes
+    # still in flight from the client do not turn our close into a reset.
+    linger_timeout: float = 3.0
     # Stop handing messages to this connection's consumers past this many
     # bytes waiting to be written; resumed once the socket drains.
     write_high_water: int = 4 * 1024 * 1024
@@ -118,6 +122,11 @@ class Connection:
         self.out_bytes = 0
         self.transport_paused = False
         self.channels: dict[int, Channel] = {}
+        # Channels whose close crossed ours (both peers sent channel.close): the
+        # client may still send our close a close-ok, or frames it wrote before
+        # it saw our close. They are discarded until it opens the number again.
+        self._crossed: set[int] = set()
+        self._lost = False  # connection_lost ran
         self.user: User | None = None
         self.username = ""
         self.vhost: VirtualHost | None = None
@@ -473,6 +482,8 @@ class Connection:
             if self.state is not State.OPEN:
                 raise ChannelError(f"channel {number} used before the connection was opened")
             ch = self.channels.get(number)
+            if ch is None and number in self._crossed and payload[:4] != codec.CHANNEL_OPEN_ID:
+                return  # written before the client saw our channel.close: discarded
             if payload[:4] == codec.BASIC_PUBLISH_ID:
                 # Hot path: publish without pamqp.
                 if ch is None:
@@ -522,6 +533,8 @@ class Connection:
             raise UnexpectedFrame(f"content frame on channel {number} outside an open channel")
         ch = self.channels.get(number)
         if ch is None:
+            if number in self._crossed:
+                return None  # content the client sent before it saw our channel.close
             raise ChannelError(f"expected 'channel.open' on channel {number}")
         if ch.closing:
             return None
@@ -570,6 +583,7 @@ class Connection:
                     f"number of channels opened ({len(self.channels)}) has reached the negotiated "
                     f"channel_max ({self.channel_max})"
                 )
+            self._crossed.discard(number)
             self.channels[number] = Channel(self, number)
             self.broker.stats.channels_opened += 1
             self.send_method(number, commands.Channel.OpenOk())
@@ -582,6 +596,11 @@ class Connection:
                 self.broker.stats.channels_closed += 1
             return
         if isinstance(method, commands.Channel.Close):
+            if ch.closing:
+                # Crossing closes: ours is in flight. Answer theirs (RabbitMQ does
+                # too) and take it as the close-ok to ours; what else the client
+                # sends on this number until it reopens it predates our close.
+                self._crossed.add(number)
             ch.release()
             del self.channels[number]
             self.broker.stats.channels_closed += 1
@@ -611,7 +630,7 @@ class Connection:
         self.send_method(
             ch.number,
             commands.Channel.Close(
-                reply_code=exc.code, reply_text=exc.reply_text[:255], class_id=class_id, method_id=method_id
+                reply_code=exc.code, reply_text=short_text(exc.reply_text), class_id=class_id, method_id=method_id
             ),
         )
 
@@ -754,7 +773,8 @@ class Connection:
             "connection closed by server",
             extra={"peer": self._peer_text(), "code": exc.code, "reason": exc.text},
         )
-        self._send_close(exc.code, exc.reply_text[:255], getattr(exc, "class_id", 0), getattr(exc, "method_id", 0))
+        text = short_text(exc.reply_text)
+        self._send_close(exc.code, text, getattr(exc, "class_id", 0), getattr(exc, "method_id", 0))
         self.close_reason = exc.reply_text
         if self.vhost is None:
             # Before open (bad login, failed tune): nothing to wait for.
@@ -785,7 +805,14 @@ class Connection:
         self.close_reason = self.close_reason or reason
 
     def connection_lost(self) -> None:
-        """The transport is gone: requeue what this connection held, drop its exclusive queues."""
+        """The transport is gone: requeue what this connection held, drop its exclusive queues.
+
+        Once only: the server calls it when its lingering close starts and
+        again when the socket is finally gone.
+        """
+        if self._lost:
+            return
+        self._lost = True
         self.state = State.CLOSED
         self.should_close = True
         for gate in self._held_by.values():
@@ -834,6 +861,19 @@ class Connection:
         return f"{self.peer[0]}:{self.peer[1]}" if self.peer else "-"
 
 
+def short_text(text: str) -> str:
+    """``text`` cut to a shortstr's 255 bytes of UTF-8 (not characters), on a character boundary.
+
+    A reply text quoting a client's non-ASCII name can be under 255 characters
+    and over 255 bytes; pamqp then refuses to encode the close (the fuzzer
+    found it as an internal error).
+    """
+    raw = text.encode("utf-8")
+    if len(raw) <= 255:
+        return text
+    return raw[:255].decode("utf-8", "ignore")
+
+
 def _raise(exc: BaseException) -> None:
     raise exc
 
@@ -852,7 +892,9 @@ def _credentials(mechanism: str, response: bytes) -> tuple[str, str]:
         # A field table without its length prefix (what py-amqp and others send).
         try:
             table, _ = fieldtable.decode_table(len(response).to_bytes(4, "big") + response)
-        except fieldtable.FieldTableError as exc:
+        except (fieldtable.FieldTableError, ValueError, OverflowError, OSError, RecursionError) as exc:
+            # Timestamps out of range (OverflowError, OSError) and deep nesting
+            # are malformed responses too, not errors of ours.
             raise AccessRefused(f"malformed AMQPLAIN response: {exc}") from exc
         login, password = table.get("LOGIN", ""), table.get("PASSWORD", "")
         return (

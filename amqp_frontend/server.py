@@ -28,6 +28,8 @@ class AMQPProtocol(asyncio.Protocol):
         self._reading = True
         self._continue_scheduled = False
         self._loop = asyncio.get_running_loop()
+        self._linger: asyncio.TimerHandle | None = None
+        self._lingering = False
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         # uvloop's transport is not an asyncio.Transport subclass, so no isinstance check.
@@ -47,6 +49,8 @@ class AMQPProtocol(asyncio.Protocol):
         self.server.broker.stats.connections_opened += 1
 
     def data_received(self, data: bytes) -> None:
+        if self._lingering:
+            return  # closed: what the client still sends is read and dropped
         conn = self.conn
         assert conn is not None
         conn.receive_data(data)
@@ -144,18 +148,39 @@ class AMQPProtocol(asyncio.Protocol):
         self._flush_scheduled = False
         conn = self.conn
         transport = self.transport
-        if conn is None or transport is None:
+        if conn is None or transport is None or self._lingering:
             return
         data = conn.data_to_send()
         if data and not transport.is_closing():
             transport.write(data)
         if conn.should_close:
-            transport.close()
+            self._start_linger(conn, transport)
         elif conn.out_bytes == 0 and not conn.transport_paused:
             # Deliveries stopped at the in-process high mark resume once flushed.
             conn.resume_deliveries()
             if conn.out_bytes:
                 self._schedule_flush()
+
+    def _start_linger(self, conn: Connection, transport: asyncio.Transport) -> None:
+        """Our last close frame is written: half-close, then drain until the peer closes.
+
+        Closing a socket with unread input sends a reset, which can overtake the
+        close-ok we just wrote; a client that wrote a burst and then
+        connection.close without waiting (amqplib's callback API does) would
+        see EPIPE/ECONNRESET instead of its close-ok. RabbitMQ lingers too.
+        """
+        self._lingering = True
+        conn.connection_lost()  # unacked messages and exclusive queues go now, not after the linger
+        if transport.is_closing():
+            return
+        if transport.can_write_eof():
+            transport.write_eof()
+        # Drain even a publisher paused by flow control or the memory alarm.
+        transport.resume_reading()
+        self._linger = self._loop.call_later(self.server.settings.linger_timeout, transport.abort)
+
+    def eof_received(self) -> bool | None:
+        return None  # the peer closed its side: close ours (ends a linger too)
 
     def pause_writing(self) -> None:
         if self.conn is not None:
@@ -172,6 +197,8 @@ class AMQPProtocol(asyncio.Protocol):
         if self.conn is not None:
             self.conn.connection_lost()
         self.transport = None
+        if self._linger is not None:
+            self._linger.cancel()
 
     def tick(self, now: float) -> None:
         conn = self.conn

@@ -20,7 +20,7 @@ from core.durable.group_commit import GroupCommitter
 from core.engine.broker import Broker
 from core.engine.stream import StreamQueue
 from core.ports.store import MessageStore, StoreError
-from leveret import __version__
+from leveret import __version__, logs
 from leveret.config import NodeConfig
 from leveret.grpc_server import GRPCServer
 from leveret.http.metrics import MetricsServer
@@ -212,6 +212,8 @@ class Node:
                 vh.abandon_queue(name)
 
     async def start(self) -> None:
+        # Bounded logs and no exception lost in the loop (docs/notes/reliability.md).
+        logs.install()
         # Every message allocates a few GC-tracked objects; with the default
         # threshold (700) the collector ran ~30 % of the publish path in
         # profiles (bench/inprocess.py). Messages hold no cycles, so collect
@@ -347,6 +349,7 @@ class Node:
         if self.store is not None:
             await self.store.close()
         log.info("node stopped", extra={"node": self.broker.node_id})
+        logs.flush_rate_limit()
 
     async def run_until_signalled(self) -> None:
         stop = asyncio.Event()

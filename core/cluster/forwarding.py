@@ -427,10 +427,14 @@ class PeerLink:
 
     @staticmethod
     def _fail(cbs: list[tuple[int, Forwarded]]) -> None:
+        from core.model.clock import call_contained  # local import: keeps off the import block others rewrote
+
         for _, cb in cbs:
-            cb(False)
+            call_contained(cb, False)
 
     async def _forward_loop(self, q: asyncio.Queue[pb.ForwardBatch | None]) -> None:
+        from core.model.clock import call_contained  # once per stream; see _fail
+
         async def requests() -> AsyncIterator[pb.ForwardBatch]:
             while (batch := await q.get()) is not None:
                 yield batch
@@ -447,7 +451,8 @@ class PeerLink:
                     self._set_congested(False)
                 accepted = result.accepted
                 for index, cb in cbs:
-                    cb(not result.error and index < len(accepted) and accepted[index])
+                    # Contained: one publisher's failing callback must not end this stream for all.
+                    call_contained(cb, not result.error and index < len(accepted) and accepted[index])
                 if self._barriers:
                     self._release_barriers(result.seq)
                 if self._batch_count and not self._flush_scheduled:
@@ -692,6 +697,8 @@ class QueueRemote:
             self.link.when_forwarded(done)
 
     def _held_expired(self) -> None:
+        from core.model.clock import call_contained  # see PeerLink._fail
+
         self._held_timer = None
         held, self._held = self._held, []
         if held:
@@ -699,7 +706,7 @@ class QueueRemote:
                         extra={"vhost": self.queue.vhost, "queue": self.queue.name, "messages": len(held)})
         for _, cbs in held:
             for cb in cbs:
-                cb(False)
+                call_contained(cb, False)
 
     def _release_held(self) -> None:
         if self._held_timer is not None:

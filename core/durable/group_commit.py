@@ -36,6 +36,30 @@ log = logging.getLogger("leveret.store")
 
 Done = Callable[[BaseException | None], None]
 
+# Commit callbacks that raised, contained (see _contained).
+callback_failures = 0
+
+
+def _contained(done: Done) -> Done:
+    """``done`` such that an exception it raises is counted and logged, not raised.
+
+    The callbacks are other parties' (one publisher's confirms); before, one
+    that raised skipped the rest of its batch and ended the flusher task that
+    every durable write waits on.
+    """
+
+    def run(error: BaseException | None) -> None:
+        global callback_failures
+        try:
+            done(error)
+        except Exception:  # noqa: BLE001 - contained by design
+            callback_failures += 1
+            log.error("commit callback failed; contained", exc_info=True,
+                      extra={"failures": callback_failures})
+
+    return run
+
+
 # One commit carries at most this much; the rest waits for the next one.
 MAX_BATCH_OPS = 20_000
 MAX_BATCH_BYTES = 64 * 1024 * 1024
@@ -126,7 +150,8 @@ class GroupCommitter:
         self._pending(queue).batch.offsets[(queue.vhost, queue.name, group)] = offset
 
     def when_committed(self, done: Done) -> None:
-        """Call ``done`` once everything added so far is committed (or failed)."""
+        """Call ``done`` once everything added so far is committed (or failed); contained."""
+        done = _contained(done)
         items = self._items
         if items and isinstance(items[-1], _Pending):
             items[-1].callbacks.append(done)

@@ -168,10 +168,19 @@ def _same_value(wanted: Any, got: Any) -> bool:
     return bool(wanted == got)
 
 
-def _headers_match(args: dict[str, Any], headers: dict[str, Any]) -> bool:
+def _x_match(args: dict[str, Any]) -> object:
+    """The binding's x-match value as text where it can be; validated by add_binding."""
     mode = args.get("x-match", "all")
-    if isinstance(mode, bytes):
-        mode = mode.decode()
+    if isinstance(mode, (bytes, bytearray)):
+        # A client's bytes: invalid UTF-8 is an invalid value, not a crash.
+        return mode.decode("utf-8", "replace")
+    return mode
+
+
+def _headers_match(args: dict[str, Any], headers: dict[str, Any]) -> bool:
+    mode = _x_match(args)
+    if not isinstance(mode, str):
+        return False  # add_binding refused it; nothing else can bind it
     with_x = mode.endswith("-with-x")
     # x- arguments are binding options, except in the -with-x modes (RabbitMQ 3.10+),
     # where everything but x-match itself is matched.
@@ -185,10 +194,8 @@ class HeadersExchange(Exchange):
     type = "headers"
 
     def add_binding(self, binding: Binding) -> bool:
-        mode = binding.arguments.get("x-match", "all")
-        if isinstance(mode, bytes):
-            mode = mode.decode()
-        if mode not in ("all", "any", "all-with-x", "any-with-x"):
+        mode = _x_match(binding.arguments)
+        if not isinstance(mode, str) or mode not in ("all", "any", "all-with-x", "any-with-x"):
             raise PreconditionFailed(
                 f"Invalid x-match field value {mode!r}; expected all, any, all-with-x, or any-with-x"
             )

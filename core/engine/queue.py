@@ -305,7 +305,13 @@ class QueueChannel:
     def _on_expiry_timer(self) -> None:
         self._expiry_timer = None
         if not self.queue.deleted:
-            self.expire()
+            try:
+                self.expire()
+            finally:
+                # expire() pops what it drops before dropping it, so after a
+                # failure (contained by the scheduler) the head has moved on:
+                # arm for it, or this queue's TTLs would stop for good.
+                self._arm_expiry()
 
     # -- settlement ------------------------------------------------------------
     def settle(self, qm: QueuedMessage, consumer: Consumer | None) -> None:

@@ -10,9 +10,48 @@ from __future__ import annotations
 import asyncio
 import heapq
 import itertools
+import logging
 import time
+from collections import Counter
 from collections.abc import Callable
 from typing import Protocol
+
+log = logging.getLogger("leveret.core")
+
+# Exceptions raised by timer callbacks and contained, by callback
+# (e.g. "QueueChannel._on_expiry_timer"). Read by tests and operators.
+callback_failures: Counter[str] = Counter()
+
+
+def contained(fn: Callable[[], None]) -> Callable[[], None]:
+    """``fn`` such that an exception it raises stays with it.
+
+    A timer belongs to one queue; before this, a message whose headers could
+    not be decoded raised inside a queue's expiry timer and the exception
+    reached the event loop. Now the failure is counted and logged (the node's
+    log filter keeps one traceback per kind per interval) and every other
+    queue, and this queue's next timer, run as before.
+    """
+
+    def run() -> None:
+        call_contained(fn)
+
+    return run
+
+
+def call_contained(fn: Callable[..., None], *args: object) -> None:
+    """Call ``fn(*args)``; an exception is counted in ``callback_failures`` and logged, not raised.
+
+    For loops over other parties' callbacks (a commit's confirm callbacks):
+    one that fails must not keep the others from running.
+    """
+    try:
+        fn(*args)
+    except Exception:  # noqa: BLE001 - contained by design, see contained()
+        name = getattr(fn, "__qualname__", type(fn).__name__)
+        callback_failures[name] += 1
+        log.error("callback failed; contained", exc_info=True,
+                  extra={"callback": name, "failures": callback_failures[name]})
 
 
 class TimerHandle(Protocol):
@@ -43,7 +82,7 @@ class AsyncioScheduler:
             loop = asyncio.get_running_loop()
         except RuntimeError:
             return _NoTimer()
-        return loop.call_later(max(0.0, delay), fn)
+        return loop.call_later(max(0.0, delay), contained(fn))
 
 
 class _ManualTimer:
@@ -76,5 +115,5 @@ class ManualScheduler:
             when, _, handle, fn = heapq.heappop(self._timers)
             self._now = max(self._now, when)
             if not handle.cancelled:
-                fn()
+                contained(fn)()
         self._now = target
