@@ -13,19 +13,24 @@ fails (the store is down) the change is refused with 541: the client was
 promised nothing, and the write is retried until the store takes it, since
 the vhost holds the change already.
 
-Ownership is trivial: one node owns every queue. At start it claims them all
-(``take_over_stored_queues``: one store transaction bumps every epoch, then
-each backlog is loaded), as DESIGN.md's take-over steps 1-2 with the store as
-the only judge. The ownership state machine of the engine will drive this.
+Ownership is trivial: one node owns every queue, under a lease that never
+ends. It is recorded in the engine's ownership state machine all the same
+(core/engine/ownership.py, shared with etcd's coordinator): at start
+``take_over_stored_queues`` fences every stored queue in one store transaction
+(epoch + 1, DESIGN.md's take-over steps 1-2 with the store as the only judge),
+loads each backlog, and only then moves each queue through take over, fence,
+load to serve; a queue declared later is claimed as it is made, and forgotten
+when deleted.
 """
 
 from __future__ import annotations
 
-from collections.abc import Awaitable
+from collections.abc import Awaitable, Iterable
 from typing import TYPE_CHECKING, Any, TypeVar
 
 from core.durable.durability import binding_is_stored, is_stored
 from core.engine.exchange import Exchange
+from core.engine.ownership import Lease, Ownership
 from core.engine.queue import Queue
 from core.model.errors import InternalError
 from core.ports.coordinator import Immediate
@@ -48,11 +53,31 @@ class LocalCoordinator:
 
     def __init__(self, node_id: str = "leveret") -> None:
         self.node_id = node_id
+        # Stored queues only: a transient queue has no epoch to fence and nothing to load.
+        self.ownership = Ownership(Lease.forever())
+        self._watched: set[int] = set()  # vhosts whose deletions forget ownership (id of the vhost)
 
     # -- ownership ---------------------------------------------------------------------
-    async def take_over_stored_queues(self, durability: Durability, queues: list[Queue]) -> int:
+    async def take_over_stored_queues(self, durability: Durability, queues: list[Queue],
+                                      vhosts: Iterable[VirtualHost] = ()) -> int:
         """Own every queue restored from the store: fence them (epoch + 1), then load their backlogs."""
-        return await durability.claim_and_load(queues, self.node_id)
+        messages = await durability.claim_and_load(queues, self.node_id)
+        for vhost in vhosts:
+            self._watch(vhost)
+        for q in queues:
+            self._claim(q)
+        return messages
+
+    def _claim(self, q: Queue) -> None:
+        vq = (q.vhost, q.name)
+        if q.storage is not None and not self.ownership.owning(vq):
+            self.ownership.claim(vq, q.storage.epoch)
+
+    def _watch(self, vhost: VirtualHost) -> None:
+        """However a queue of ``vhost`` goes (delete, auto-delete, x-expires), its record goes too."""
+        if id(vhost) not in self._watched:
+            self._watched.add(id(vhost))
+            vhost.on_queue_deleted.append(lambda q: self.ownership.forget((q.vhost, q.name)))
 
     # -- stored before answered -------------------------------------------------------
     @staticmethod
@@ -95,6 +120,8 @@ class LocalCoordinator:
     ) -> Awaitable[Queue]:
         q = vhost.declare_queue(name, owner, durable=durable, exclusive=exclusive, auto_delete=auto_delete,
                                 arguments=arguments)
+        self._watch(vhost)
+        self._claim(q)
         return self._answer(vhost, is_stored(q), q)
 
     def delete_queue(

@@ -160,7 +160,7 @@ class Node:
             log.info("store opened", extra={"store": store.description, "mode": "cluster"})
         else:
             queues = await durability.restore_topology(self.broker)
-            messages = await self.local.take_over_stored_queues(durability, queues)
+            messages = await self.local.take_over_stored_queues(durability, queues, self.broker.vhosts.values())
             log.info("store opened", extra={"store": store.description, "durable_queues": len(queues),
                                             "messages_restored": messages})
         # Policies other nodes and `leveret retention policy` write to the store (leveret/policy_watch.py).

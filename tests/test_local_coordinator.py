@@ -21,6 +21,7 @@ from coordination.local import LocalCoordinator, StoreUnavailable
 from core.durable.durability import Durability
 from core.durable.group_commit import GroupCommitter
 from core.engine.broker import Broker
+from core.engine.ownership import OwnershipState
 from core.engine.vhost import VirtualHost
 from core.model.errors import PreconditionFailed
 from core.ports.coordinator import Immediate
@@ -61,7 +62,7 @@ async def _node(path: Path) -> Node:
     broker.committer = committer
     durability = Durability(store, committer)
     queues = await durability.restore_topology(broker)
-    await coordinator.take_over_stored_queues(durability, queues)
+    await coordinator.take_over_stored_queues(durability, queues, broker.vhosts.values())
     return Node(broker, store, committer, coordinator)
 
 
@@ -176,6 +177,30 @@ async def test_restart_claims_every_stored_queue_in_one_commit(tmp_path: Path) -
         assert len(again.vh.queues) == 300
         assert {q.storage.epoch for q in again.vh.queues.values() if q.storage is not None} == {2}
     finally:
+        await again.store.close()
+
+
+async def test_ownership_is_the_engine_state_machine_with_a_lease_that_never_ends(tmp_path: Path) -> None:
+    """The single node records what it owns as etcd's coordinator does: restored and new stored queues
+    serve under their epoch; transient queues need no record; a deleted queue's record goes."""
+    path = tmp_path / "s.sqlite3"
+    first = await _node(path)
+    await first.coordinator.declare_queue(first.vh, "kept", None, True, False, False, {})
+    await first.committer.drain()
+    await first.store.close()
+    again = await _node(path)
+    try:
+        own = again.coordinator.ownership
+        assert own.state(("/", "kept")) is OwnershipState.SERVING
+        assert own.epoch(("/", "kept")) == again.vh.queues["kept"].storage.epoch  # type: ignore[union-attr]
+        await again.coordinator.declare_queue(again.vh, "new", None, True, False, False, {})
+        await again.coordinator.declare_queue(again.vh, "transient", None, False, False, False, {})
+        assert own.serving(("/", "new")) and not own.owning(("/", "transient"))
+        await again.coordinator.delete_queue(again.vh, "new", None, False, False)
+        again.vh.delete_queue("kept", None)  # not through the coordinator (as x-expires does)
+        assert len(own) == 0
+    finally:
+        await again.committer.drain()
         await again.store.close()
 
 
