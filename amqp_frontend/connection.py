@@ -157,6 +157,7 @@ class Connection:
         self._flow_since = 0.0
         self._flow_done = 0.0  # seconds in flow, periods that ended
         self.flow_count = 0  # times this connection entered flow
+        self.auth_mechanism = ""  # the SASL mechanism the client logged in with (management API)
         self._flow_logged = -FLOW_LOG_INTERVAL
         # Set by the I/O layer: buffered input may be handled now (call receive_data(b"") soon,
         # not from inside this call): the last queue holding this connection caught up, or a
@@ -700,6 +701,7 @@ class Connection:
     def _start_ok(self, m: commands.Connection.StartOk) -> None:
         self.client_properties = dict(m.client_properties or {})
         mechanism = m.mechanism
+        self.auth_mechanism = mechanism
         response = m.response if isinstance(m.response, bytes) else str(m.response).encode("utf-8", "surrogateescape")
         host = self.peer[0] if self.peer else None
         try:

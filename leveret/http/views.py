@@ -147,13 +147,17 @@ def connection_json(proto: AMQPProtocol, node: str) -> dict[str, Any]:
     return {
         "name": connection_name(proto), "node": node, "type": "network", "protocol": "AMQP 0-9-1",
         "user": conn.username, "vhost": conn.vhost.name if conn.vhost is not None else None,
-        # "running"; the flow work reports "flow"/"blocked" here (the integrator wires it).
-        "state": "blocked" if conn.blocked else "running",
+        # RabbitMQ's states: "blocked" (memory or disk alarm), "flow" (flow control holds
+        # it: core/engine/flow.py), "running"; and how long and how often it was held.
+        "state": conn.flow_state, "leveret_flow_seconds": round(conn.flow_seconds, 3),
+        "leveret_flow_count": conn.flow_count,
         "channels": len(conn.channels), "peer_host": peer[0], "peer_port": peer[1],
         "host": local[0] if local else "", "port": local[1] if local else 0,
         "client_properties": jsonable(conn.client_properties), "timeout": conn.heartbeat,
-        "frame_max": conn.frame_max, "channel_max": conn.channel_max, "auth_mechanism": "PLAIN",
-        "ssl": False, "connected_at": int(_wall_clock_of(conn.opened_at) * 1000),
+        "frame_max": conn.frame_max, "channel_max": conn.channel_max,
+        "auth_mechanism": conn.auth_mechanism or "PLAIN",
+        "ssl": proto.transport is not None and proto.transport.get_extra_info("ssl_object") is not None,
+        "connected_at": int(_wall_clock_of(conn.opened_at) * 1000),
     }
 
 
