@@ -283,3 +283,42 @@ def test_grpc_client_over_tls(tls_node: TLSNode, certs: Certs) -> None:
     # Plaintext to the TLS gRPC port fails, it does not fall back.
     with Client(f"127.0.0.1:{tls_node.grpc_port}", timeout=3) as plain, pytest.raises(LeveretError):
         plain.create_queue("tls-q", exist_ok=True)
+
+
+def test_management_and_metrics_over_https(certs: Certs) -> None:
+    """--http-tls: the management API, console and Prometheus endpoint answer over HTTPS only; leveret ctl follows."""
+    import base64
+    import os
+    import urllib.error
+    import urllib.request
+
+    metrics_port = free_port()
+    node = _start(certs, "--http-tls", "--prometheus-port", str(metrics_port))
+    try:
+        deadline = time.monotonic() + 30
+        while True:  # the management listener starts right after AMQP
+            try:
+                socket.create_connection(("127.0.0.1", node.management_port), timeout=0.5).close()
+                break
+            except OSError:
+                assert time.monotonic() < deadline, node.stderr_tail()
+                time.sleep(0.05)
+        ctx = certs.client_context()
+        auth = {"Authorization": "Basic " + base64.b64encode(b"guest:guest").decode()}
+        url = f"https://127.0.0.1:{node.management_port}/api/overview"
+        with urllib.request.urlopen(urllib.request.Request(url, headers=auth), context=ctx, timeout=10) as resp:
+            assert resp.status == 200 and json.loads(resp.read())["product_name"]
+        with urllib.request.urlopen(f"https://127.0.0.1:{metrics_port}/metrics", context=ctx, timeout=10) as resp:
+            assert b"rabbitmq_build_info" in resp.read()
+        with pytest.raises((urllib.error.URLError, ConnectionError, OSError)):
+            urllib.request.urlopen(urllib.request.Request(url.replace("https:", "http:"), headers=auth), timeout=10)
+        # leveret ctl over HTTPS, trusting the CA through OpenSSL's SSL_CERT_FILE.
+        out = subprocess.run(
+            [_python(), "-m", "leveret", "ctl", "--node", f"https://127.0.0.1:{node.management_port}", "list_vhosts"],
+            cwd=REPO_ROOT, env={**node_env(), "SSL_CERT_FILE": str(certs.ca_file)}, capture_output=True, text=True,
+            timeout=60, check=False)
+        assert out.returncode == 0, out.stderr
+        assert "/" in out.stdout.split()
+        assert os.path.exists(certs.ca_file)
+    finally:
+        _stop(node)

@@ -43,6 +43,7 @@ class NodeConfig:
     tls_verify: str = "none"
     tls_fail_if_no_peer_cert: bool = False
     grpc_tls: bool = False
+    http_tls: bool = False
     cluster_port: int = 25672
     cluster_secret_file: str = ""
     cluster_tls_cert: str = ""
@@ -103,6 +104,8 @@ HELP = {
     "tls_verify": "none, or peer: ask clients for a certificate and verify it against --tls-ca",
     "tls_fail_if_no_peer_cert": "with --tls-verify peer, refuse clients that present no certificate",
     "grpc_tls": "serve the gRPC API over TLS only, with --tls-cert/--tls-key (client certificates as for AMQPS)",
+    "http_tls": "serve the management API, console and Prometheus endpoint over HTTPS only, with --tls-cert/--tls-key "
+    "(no client certificate asked: browsers and scrapers log in with passwords); SIGHUP reloads it",
     "cluster_port": "internal node-to-node listener (cluster mode only); never the public gRPC port",
     "cluster_secret_file": "file holding the secret every node of the cluster shares (as RabbitMQ's Erlang "
     "cookie); cluster mode needs it or --cluster-tls-*",
@@ -196,6 +199,8 @@ def validate(cfg: NodeConfig) -> None:
         raise ConfigError("--amqps-port needs --tls-cert and --tls-key")
     if cfg.grpc_tls and not cfg.tls_cert:
         raise ConfigError("--grpc-tls needs --tls-cert and --tls-key")
+    if cfg.http_tls and not cfg.tls_cert:
+        raise ConfigError("--http-tls needs --tls-cert and --tls-key")
     if bool(cfg.etcd_cert) != bool(cfg.etcd_key):
         raise ConfigError("--etcd-cert and --etcd-key go together")
     if bool(cfg.etcd_user) != bool(cfg.etcd_password):

@@ -7,6 +7,7 @@ import gc
 import logging
 import os
 import signal
+import ssl
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -72,6 +73,10 @@ class Node:
         if config.tls_cert:
             self.tls = ServerTLS(TLSFiles(config.tls_cert, config.tls_key, config.tls_ca, config.tls_verify,
                                           config.tls_fail_if_no_peer_cert))
+        # The HTTP listeners (--http-tls): the same files, but no client certificate asked for.
+        self.http_tls: ServerTLS | None = None
+        if config.http_tls and config.tls_cert:
+            self.http_tls = ServerTLS(TLSFiles(config.tls_cert, config.tls_key, config.tls_ca, "none", False))
         self._grpc_renewed: object = None  # a gRPC certificate configuration waiting for the next handshake
         self._grpc_current: Callable[[], object] | None = None
         self.broker.on_user_rehashed.append(self._save_rehashed)
@@ -227,7 +232,7 @@ class Node:
         if self.config.prometheus_port:
             self.metrics = MetricsServer(self)
             try:
-                await self.metrics.start(self.config.bind, self.config.prometheus_port)
+                await self.metrics.start(self.config.bind, self.config.prometheus_port, self._http_ssl())
             except OSError as exc:
                 raise OSError(exc.errno, f"Prometheus port {self.config.prometheus_port}: "
                                          f"{exc.strerror or exc}") from exc
@@ -265,8 +270,13 @@ class Node:
         if self.tls is not None and self.config.resolved_amqps_port:
             await self.amqp.start_tls(self.config.bind, self.config.resolved_amqps_port, self.tls.context)
 
+    def _http_ssl(self) -> ssl.SSLContext | None:
+        return self.http_tls.context if self.http_tls is not None else None
+
     def reload_tls(self) -> None:
         """SIGHUP: new connections get the certificate files as they are now."""
+        if self.http_tls is not None:
+            self.http_tls.reload()
         if self.tls is None:
             log.info("SIGHUP: no TLS certificate configured, nothing to reload")
             return
@@ -283,7 +293,7 @@ class Node:
 
         api = ManagementAPI(self)
         try:
-            await api.start(self.config.bind, self.config.management_port)
+            await api.start(self.config.bind, self.config.management_port, self._http_ssl())
         except OSError as exc:
             # The broker itself is up; an operator sees this line and the missing
             # port-listener check rather than a node that will not start.

@@ -10,6 +10,7 @@ one pass over them on the event loop.
 from __future__ import annotations
 
 import logging
+import ssl
 from typing import TYPE_CHECKING
 
 from aiohttp import web
@@ -60,10 +61,11 @@ class MetricsServer:
         self.port = 0
         self._runner: web.AppRunner | None = None
 
-    async def start(self, host: str, port: int) -> None:
+    async def start(self, host: str, port: int, ssl_context: ssl.SSLContext | None = None) -> None:
+        """Listen on ``host:port``; HTTPS only when ``ssl_context`` is given (--http-tls)."""
         runner = web.AppRunner(make_app(self.node), access_log=None, handle_signals=False)
         await runner.setup()
-        site = web.TCPSite(runner, host, port)
+        site = web.TCPSite(runner, host, port, ssl_context=ssl_context)
         await site.start()
         self._runner = runner
         server = site._server  # noqa: SLF001 - aiohttp exposes the bound port only here

@@ -14,6 +14,7 @@ import binascii
 import hashlib
 import json
 import logging
+import ssl
 import time
 from collections.abc import Mapping
 from typing import Any
@@ -110,15 +111,16 @@ class ManagementAPI:
         self.port = 0
         self._logins: dict[tuple[str, bytes, str | None], User] = {}
 
-    async def start(self, host: str, port: int) -> None:
+    async def start(self, host: str, port: int, ssl_context: ssl.SSLContext | None = None) -> None:
+        """Listen on ``host:port``; HTTPS only when ``ssl_context`` is given (--http-tls)."""
         self._runner = web.AppRunner(self.app, access_log=None, handle_signals=False)
         await self._runner.setup()
-        self._site = web.TCPSite(self._runner, host, port, reuse_address=True)
+        self._site = web.TCPSite(self._runner, host, port, reuse_address=True, ssl_context=ssl_context)
         await self._site.start()
         addresses = self._runner.addresses
         self.port = int(addresses[0][1]) if addresses else port
         self.rates.start()
-        log.info("management API listening", extra={"host": host, "port": self.port})
+        log.info("management API listening", extra={"host": host, "port": self.port, "tls": ssl_context is not None})
 
     async def stop(self) -> None:
         await self.rates.stop()
