@@ -28,6 +28,12 @@ async function api(method, path, body, headers) {
 }
 
 const enc = encodeURIComponent;
+function bytes(n) {
+  const units = ["B", "KiB", "MiB", "GiB", "TiB"];
+  let v = Number(n || 0), i = 0;
+  while (v >= 1024 && i < units.length - 1) { v /= 1024; i += 1; }
+  return (i ? v.toFixed(1) : String(v)) + " " + units[i];
+}
 const rate = (stats, key) => ((stats || {})[key + "_details"] || {}).rate || 0;
 const main = () => document.getElementById("main");
 
@@ -214,6 +220,36 @@ const views = {
       users, "users"), el("h3", {}, "Permissions"), table("permissions", [["User", (p) => p.user],
       ["Vhost", (p) => p.vhost], ["Configure", (p) => p.configure], ["Write", (p) => p.write],
       ["Read", (p) => p.read]], perms, "permissions")] };
+  },
+
+  async retention() {
+    // The last scheduled retention run of this node (leveret/retention_schedule.py): table and chart.
+    const { report, chart } = await api("GET", "/leveret/retention");
+    if (!report) return { view: [el("h2", {}, "Retention"), el("p", { id: "no-retention" },
+      "No retention run has finished on this node yet (see docs/RETENTION.md: retention_schedule).")] };
+    const t = report.totals || {};
+    const view = [el("h2", {}, "Retention"),
+      el("p", { id: "retention-summary" }, `Run ${report.run_id}${report.dry_run ? " (dry run)" : ""}: ` +
+        `removed ${t.removed_messages} of ${t.messages_before} messages (${bytes(t.removed_bytes)}), ` +
+        `archived ${t.archived_messages}, kept ${t.kept_messages}.`),
+      table("retention", [["Queue", (q) => (q.vhost === "/" ? "" : q.vhost + "/") + q.queue],
+        ["Before", (q) => q.messages_before, true], ["Removed", (q) => q.removed_messages, true],
+        ["Removed bytes", (q) => q.removed_bytes, true, (q) => bytes(q.removed_bytes)],
+        ["Archived", (q) => q.archived_messages, true], ["Kept", (q) => q.kept_messages, true],
+        ["Kept bytes", (q) => q.kept_bytes, true, (q) => bytes(q.kept_bytes)],
+        ["Oldest kept (s)", (q) => Math.round(q.oldest_age_seconds || 0), true]], report.queues || [], "retention")];
+    let after;
+    if (chart) {
+      const img = el("img", { id: "retention-chart", alt: "retention report chart" });
+      view.push(img);
+      after = async () => {
+        // An <img src> cannot send the Authorization header: fetch it, then show the blob.
+        const res = await fetch("/api/leveret/retention/chart.png", { headers: { Authorization: "Basic " + state.auth,
+          "X-Requested-With": "XMLHttpRequest" } });
+        if (res.ok) img.src = URL.createObjectURL(await res.blob());
+      };
+    }
+    return { view, after };
   },
 
   async policies() {
