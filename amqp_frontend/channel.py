@@ -638,6 +638,9 @@ class Channel:
         if isinstance(q, StreamQueue):
             stream_consumer.consume(self, q, tag, m)
             return
+        if self.prefetch_global and q.args.quorum:
+            # RabbitMQ 3.10.8: "NOT_IMPLEMENTED - queue 'q' in vhost '/' does not support global qos" (540).
+            raise NotImplementedFeature(f"queue '{q.name}' in vhost '{q.vhost}' does not support global qos")
         priority = (m.arguments or {}).get("x-priority", 0)
         if isinstance(priority, bool) or not isinstance(priority, int):
             raise PreconditionFailed(f"invalid arg 'x-priority': expected an integer, got {priority!r}")
