@@ -202,6 +202,11 @@ class Channel:
             self._body_parts = []
             self._body_received = 0
 
+    @property
+    def partial_body_bytes(self) -> int:
+        """Bytes of a content body received so far and not yet complete (held until it is)."""
+        return self._body_received if self._body_parts else 0
+
     def content_body(self, payload: bytes) -> None:
         n = self._body_received + len(payload)
         if n > self._body_size:

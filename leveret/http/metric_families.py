@@ -283,7 +283,8 @@ class NodeCollector:
         # RabbitMQ 3.10's names (3.13 renamed them *_limit); the published dashboards read these.
         for name, help_, on in (
             ("file_descriptor_limit", "is 1 if file descriptor limit alarm is in effect", False),
-            ("free_disk_space_watermark", "is 1 if free disk space watermark alarm is in effect", False),
+            ("free_disk_space_watermark", "is 1 if free disk space watermark alarm is in effect",
+             self.node.broker.disk_alarm),
             ("memory_used_watermark", "is 1 if VM memory watermark alarm is in effect", self.node.broker.memory_alarm),
         ):
             yield UnknownMetricFamily("rabbitmq_alarms_" + name, help_, value=1 if on else 0)
