@@ -891,6 +891,7 @@ class Queue:
         """
         self.lease = None
         self.storage = None
+        self.dlx_pending = []  # still stored: the next owner loads them as ready
         self.reset_ready()
 
     def delete(self) -> int:
