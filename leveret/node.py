@@ -298,6 +298,10 @@ class Node:
             return int(mark)
         return int(mark * os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))
 
+    def disk_free_limit_bytes(self) -> int:
+        """``--disk-free-limit`` in bytes (validated at start: leveret/config.py)."""
+        return resources.parse_disk_free_limit(self.config.disk_free_limit, resources.total_memory())
+
     def queued_bytes(self) -> int:
         """What the memory alarm counts (leveret/resources.py): bodies, index, partial bodies, buffers."""
         return resources.memory_use(self.broker, self.amqp).total
@@ -309,7 +313,7 @@ class Node:
         memory, so an alarm on it would never clear; the log line gives both.
         """
         limit = self.watermark_bytes()
-        disk_limit = resources.parse_disk_free_limit(self.config.disk_free_limit, resources.total_memory())
+        disk_limit = self.disk_free_limit_bytes()
         while True:
             await asyncio.sleep(0.5)
             use = resources.memory_use(self.broker, self.amqp)
