@@ -109,19 +109,25 @@ def test_grpc_push_waits_while_the_memory_alarm_is_raised(make_node: Any) -> Non
             client.push_many("fill", [body] * 10)
         assert _until(lambda: _node_info(node)["mem_alarm"] is True)
         done = threading.Event()
+        batch_done = threading.Event()
 
         def push() -> None:
             client.push("fill", b"held")
             done.set()
 
-        t = threading.Thread(target=push, daemon=True)
-        t.start()
-        assert not done.wait(1.5), "a gRPC push was taken while the memory alarm was raised"
+        def push_batch() -> None:
+            client.push_many("fill", [b"held 1", b"held 2"])
+            batch_done.set()
+
+        threading.Thread(target=push, daemon=True).start()
+        threading.Thread(target=push_batch, daemon=True).start()
+        assert not done.wait(1.5), "a gRPC Push was taken while the memory alarm was raised"
+        assert not batch_done.is_set(), "a gRPC PushBatch was taken while the memory alarm was raised"
         conn = pika.BlockingConnection(pika.URLParameters(node.url))
         assert conn.channel().queue_declare("fill", passive=True).method.message_count == 100
         conn.channel().queue_purge("fill")  # a consumer-side action frees the memory
-        assert done.wait(5), "the held push did not go through once the alarm cleared"
-        assert conn.channel().queue_declare("fill", passive=True).method.message_count == 1
+        assert done.wait(5) and batch_done.wait(5), "the held pushes did not go through once the alarm cleared"
+        assert conn.channel().queue_declare("fill", passive=True).method.message_count == 3
         conn.close()
     finally:
         client.close()

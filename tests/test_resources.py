@@ -53,3 +53,25 @@ async def test_memory_use_counts_the_index_of_every_message_held() -> None:
         q.enqueue(Message("", "q", props, bytes(1000)))
     use = memory_use(broker, None)
     assert use.bodies == 10_000 and use.index == 10 * INDEX_BYTES_PER_MESSAGE and use.partial_and_buffers == 0
+
+
+def test_a_connection_holds_its_partial_bodies_and_unparsed_input() -> None:
+    """What the memory alarm reads from an AMQP connection (amqp_frontend/connection.py held_bytes)."""
+    from pamqp import commands, frame
+    from pamqp.body import ContentBody
+    from pamqp.header import ContentHeader
+
+    from tests.amqp_client import connected
+
+    client = connected(channels=(1, 2))
+    client.read()
+    assert client.conn.held_bytes() == 0
+    announced = 128 * 1024 * 1024
+    for ch in (1, 2):
+        client.send(ch, commands.Basic.Publish(exchange="", routing_key="nowhere"),
+                    ContentHeader(0, announced, commands.Basic.Properties()))
+        client.send(ch, *[ContentBody(bytes(100_000)) for _ in range(5)])
+    assert client.conn.held_bytes() == 2 * 500_000  # two channels, 500 kB each so far
+    partial_frame = frame.marshal(ContentBody(bytes(50_000)), 1)[:20_000]
+    client.send_raw(partial_frame)  # an incomplete frame waits in the input buffer
+    assert client.conn.held_bytes() == 2 * 500_000 + 20_000
