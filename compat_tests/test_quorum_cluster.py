@@ -11,6 +11,7 @@ import uuid
 from collections.abc import Iterator
 
 import pika
+import pika.exceptions
 import pytest
 
 from compat_tests.cluster_process import Cluster
@@ -43,3 +44,14 @@ def test_leader_locator_client_local_and_balanced(cluster: Cluster) -> None:
     balanced = [_declare(cluster, "n2", "balanced") for _ in range(2)]
     owners = [cluster.wait_owner(q) for q in balanced]
     assert "n2" not in owners and set(owners) <= {"n1", "n3"}, owners
+
+
+def test_a_non_durable_quorum_declaration_leaves_nothing_in_the_cluster(cluster: Cluster) -> None:
+    """Refused (406) before the cluster agrees on it: a durable redeclaration of the name then succeeds."""
+    name = f"qq.transient.{uuid.uuid4().hex[:8]}"
+    with pika.BlockingConnection(pika.URLParameters(cluster.url("n1"))) as conn:
+        with pytest.raises(pika.exceptions.ChannelClosedByBroker) as info:
+            conn.channel().queue_declare(name, durable=False, arguments={"x-queue-type": "quorum"})
+        assert info.value.reply_code == 406 and "invalid property 'non-durable'" in info.value.reply_text
+        conn.channel().queue_declare(name, durable=True, arguments={"x-queue-type": "quorum"})
+    assert cluster.wait_owner(name) in {"n1", "n2", "n3"}

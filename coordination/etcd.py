@@ -1058,7 +1058,7 @@ class EtcdCluster:
         self, vhost: VirtualHost, name: str, owner: object, durable: bool, exclusive: bool, auto_delete: bool,
         arguments: dict[str, Any],
     ) -> None:
-        vhost.check_new_queue(name, arguments)
+        vhost.check_new_queue(name, arguments, durable, exclusive, auto_delete)
         key = self.keys.queue(vhost.name, name)
         okey = self.keys.owner(vhost.name, name)
         moving = durable and not exclusive

@@ -155,10 +155,12 @@ class VirtualHost:
                 )
         make_exchange(type_, name)  # an unknown type raises here, as it would at creation
 
-    def check_new_queue(self, name: str, arguments: dict[str, Any]) -> None:
+    def check_new_queue(self, name: str, arguments: dict[str, Any], durable: bool = True, exclusive: bool = False,
+                        auto_delete: bool = False) -> None:
         if name.startswith("amq.") and not name.startswith("amq.gen-"):
             raise AccessRefused(f"queue name '{name}' contains reserved prefix 'amq.*'")
-        parse_queue_args(arguments, name, self.name)
+        if parse_queue_args(arguments, name, self.name).quorum:
+            check_quorum_declare(name, self.name, durable, exclusive, auto_delete)
 
     def check_exchange_deletable(self, name: str) -> None:
         """403 for the default and the standard (amq.*) exchanges."""
