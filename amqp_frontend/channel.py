@@ -202,6 +202,11 @@ class Channel:
             self._body_parts = []
             self._body_received = 0
 
+    @property
+    def partial_body_bytes(self) -> int:
+        """Bytes of a content body received so far and not yet complete (held until it is)."""
+        return self._body_received if self._body_parts else 0
+
     def content_body(self, payload: bytes) -> None:
         n = self._body_received + len(payload)
         if n > self._body_size:
@@ -638,6 +643,9 @@ class Channel:
         if isinstance(q, StreamQueue):
             stream_consumer.consume(self, q, tag, m)
             return
+        if self.prefetch_global and q.args.quorum:
+            # RabbitMQ 3.10.8: "NOT_IMPLEMENTED - queue 'q' in vhost '/' does not support global qos" (540).
+            raise NotImplementedFeature(f"queue '{q.name}' in vhost '{q.vhost}' does not support global qos")
         priority = (m.arguments or {}).get("x-priority", 0)
         if isinstance(priority, bool) or not isinstance(priority, int):
             raise PreconditionFailed(f"invalid arg 'x-priority': expected an integer, got {priority!r}")

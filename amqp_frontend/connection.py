@@ -170,6 +170,14 @@ class Connection:
         self.suspended = 0
         self.run_async: Callable[[Awaitable[Any], Callable[[Any, BaseException | None], None]], None] | None = None
 
+    def held_bytes(self) -> int:
+        """Memory this connection holds for messages: its input not yet parsed, output not yet
+        handed to the transport, and content bodies partly received (the memory alarm counts them)."""
+        held = len(self._buf) + self.out_bytes
+        for ch in self.channels.values():
+            held += ch.partial_body_bytes
+        return held
+
     # ------------------------------------------------------------ output
     @property
     def write_blocked(self) -> bool:

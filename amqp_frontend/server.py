@@ -13,6 +13,7 @@ from pamqp import commands
 
 from amqp_frontend.connection import Connection, ServerSettings, State
 from amqp_frontend.tls_accept import TLSListener, peer_identity
+from core.engine.alarms import MEMORY
 from core.engine.broker import Broker
 
 log = logging.getLogger("leveret.amqp")
@@ -57,7 +58,7 @@ class AMQPProtocol(asyncio.Protocol):
         self._after_input(conn)
 
     def _after_input(self, conn: Connection) -> None:
-        if self.server.broker.memory_alarm and conn.has_published and not conn.blocked:
+        if self.server.broker.alarms.raised and conn.has_published and not conn.blocked:
             self.block()
         elif self.server.broker.forward_congested and conn.has_published and not self._flow_paused:
             self.pause_for_flow()
@@ -245,11 +246,27 @@ class AMQPServer:
         assert self._tls is not None
         return self._tls.port
 
+    def held_bytes(self) -> int:
+        """What every AMQP connection holds (connection.held_bytes) plus the transports' write buffers."""
+        held = 0
+        for proto in list(self.connections):
+            if proto.conn is not None:
+                held += proto.conn.held_bytes()
+            if proto.transport is not None:
+                held += proto.transport.get_write_buffer_size()
+        return held
+
     def set_memory_alarm(self, active: bool) -> None:
-        if active == self.broker.memory_alarm:
+        self.set_alarm(MEMORY, active)
+
+    def set_alarm(self, kind: str, active: bool) -> None:
+        """Raise or clear a resource alarm (memory, disk); publishers are blocked while any is raised."""
+        if (kind in self.broker.alarms.raised) == active:
             return
-        self.broker.memory_alarm = active
-        log.warning("memory alarm " + ("set: blocking publishers" if active else "cleared: unblocking publishers"))
+        log.warning(f"{kind} alarm " + ("set" if active else "cleared"))
+        if not self.broker.alarms.set(kind, active):
+            return  # another alarm still blocks publishers (or none did)
+        log.warning("blocking publishers" if active else "unblocking publishers")
         for proto in list(self.connections):
             if active and proto.conn is not None and proto.conn.has_published:
                 proto.block()

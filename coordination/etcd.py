@@ -1058,11 +1058,17 @@ class EtcdCluster:
         self, vhost: VirtualHost, name: str, owner: object, durable: bool, exclusive: bool, auto_delete: bool,
         arguments: dict[str, Any],
     ) -> None:
-        vhost.check_new_queue(name, arguments)
+        vhost.check_new_queue(name, arguments, durable, exclusive, auto_delete)
         key = self.keys.queue(vhost.name, name)
         okey = self.keys.owner(vhost.name, name)
         moving = durable and not exclusive
-        target = self._placement() if moving else self.mirror.nodes.get(self.node_id)
+        here = self.mirror.nodes.get(self.node_id)
+        if moving and not (_client_local(arguments) and here is not None and here.lease and not self.draining):
+            # The least loaded node: RabbitMQ's x-queue-leader-locator "balanced" (the default).
+            target = self._placement()
+        else:
+            # Not moving, or x-queue-leader-locator "client-local": the node the client declared on.
+            target = here
         if target is None or not target.lease:
             raise ClusterUnavailable("no live node in the cluster to own the queue")
         value = dumps({"durable": durable, "exclusive": exclusive, "auto_delete": auto_delete,
@@ -1265,3 +1271,9 @@ _SECTION_ORDER = {"nodes": 0, "vhosts": 1, "users": 2, "exchanges": 3, "queues":
 
 def _order(key: Any) -> int:
     return _SECTION_ORDER.get(key.section, 9) if key is not None else 10
+
+
+def _client_local(arguments: dict[str, Any]) -> bool:
+    """A quorum queue's ``x-queue-leader-locator: client-local``: placed on the declaring node."""
+    value = arguments.get("x-queue-leader-locator")
+    return value in ("client-local", b"client-local")

@@ -26,6 +26,7 @@ class NodeConfig:
     store: str = "sqlite"
     postgres_dsn: str = ""
     memory_high_watermark: float = 0.4
+    disk_free_limit: str = "50MB"
     stream_memory_bytes: int = 64 * 1024 * 1024
     default_user: str = "guest"
     default_pass: str = "guest"
@@ -85,6 +86,8 @@ HELP = {
     "postgres_dsn": "Postgres connection string for --store postgres, e.g. postgresql://user:pw@host/db",
     "memory_high_watermark": "block publishers when messages waiting in queues take more than this: a fraction "
     "of RAM (<= 1) or bytes (> 1)",
+    "disk_free_limit": "block publishers when the data dir's disk has less free space than this, as RabbitMQ's "
+    "disk_free_limit: bytes with a unit (50MB, 2GiB) or relative to RAM (mem_relative:1.5)",
     "stream_memory_bytes": "bytes of message bodies each stream keeps in memory (its newest); older ones are "
     "read back from the store in pages",
     "default_user": "user created at start, allowed from loopback only (as RabbitMQ's guest)",
@@ -176,6 +179,12 @@ def load(config_file: str | None, overrides: dict[str, Any], environ: dict[str, 
 
 
 def validate(cfg: NodeConfig) -> None:
+    from leveret.resources import parse_disk_free_limit, total_memory
+
+    try:
+        parse_disk_free_limit(cfg.disk_free_limit, total_memory())
+    except ValueError as exc:
+        raise ConfigError(str(exc)) from exc
     if cfg.etcd and cfg.store != "postgres":
         raise ConfigError(
             "cluster mode (--etcd) needs the shared Postgres store: add --store postgres --postgres-dsn DSN "

@@ -18,10 +18,11 @@ from amqp_frontend.server import AMQPServer
 from coordination.local import LocalCoordinator
 from core.durable.durability import Durability
 from core.durable.group_commit import GroupCommitter
+from core.engine.alarms import DISK, MEMORY
 from core.engine.broker import Broker
 from core.engine.stream import StreamQueue
 from core.ports.store import MessageStore, StoreError
-from leveret import __version__, logs
+from leveret import __version__, logs, resources
 from leveret.config import NodeConfig
 from leveret.grpc_server import GRPCServer
 from leveret.http.metrics import MetricsServer
@@ -309,29 +310,42 @@ class Node:
             return int(mark)
         return int(mark * os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))
 
+    def disk_free_limit_bytes(self) -> int:
+        """``--disk-free-limit`` in bytes (validated at start: leveret/config.py)."""
+        return resources.parse_disk_free_limit(self.config.disk_free_limit, resources.total_memory())
+
     def queued_bytes(self) -> int:
-        # A stream's retained log is held in memory too (core/stream.py): it counts.
-        return sum(
-            ch.ready_bytes for vh in self.broker.vhosts.values() for q in vh.queues.values() for ch in q.channels
-        ) + sum(q.mem_bytes for vh in self.broker.vhosts.values() for q in vh.queues.values()
-                if isinstance(q, StreamQueue))
+        """What the memory alarm counts (leveret/resources.py): bodies, index, partial bodies, buffers."""
+        return resources.memory_use(self.broker, self.amqp).total
 
     async def _watch_memory(self) -> None:
-        """The memory alarm, on the bytes of messages waiting in queues.
+        """The memory and disk alarms (leveret/resources.py says what they count), every half second.
 
-        Bodies held by queues are what grows without bound when consumers
-        fall behind; RSS is not used because CPython rarely returns freed
-        memory, so an alarm on it would never clear.
+        RSS is not the memory alarm's input because CPython rarely returns freed
+        memory, so an alarm on it would never clear; the log line gives both.
         """
         limit = self.watermark_bytes()
+        disk_limit = self.disk_free_limit_bytes()
         while True:
             await asyncio.sleep(0.5)
-            used = self.queued_bytes()
+            use = resources.memory_use(self.broker, self.amqp)
+            used = use.total
             if used > limit and not self.broker.memory_alarm:
-                log.warning("memory high watermark reached", extra={"queued_bytes": used, "limit": limit})
-                self.amqp.set_memory_alarm(True)
+                log.warning("memory high watermark reached", extra={
+                    "held_bytes": used, "bodies": use.bodies, "index": use.index,
+                    "partial_and_buffers": use.partial_and_buffers, "rss": resources.rss_bytes(), "limit": limit})
+                self.amqp.set_alarm(MEMORY, True)
             elif used <= limit * 0.9 and self.broker.memory_alarm:
-                self.amqp.set_memory_alarm(False)
+                self.amqp.set_alarm(MEMORY, False)
+            try:
+                free = resources.disk_free(self.config.data_dir)
+            except OSError:
+                continue
+            if free < disk_limit and not self.broker.disk_alarm:
+                log.warning("disk free space below the limit", extra={"free": free, "limit": disk_limit})
+                self.amqp.set_alarm(DISK, True)
+            elif free >= disk_limit and self.broker.disk_alarm:
+                self.amqp.set_alarm(DISK, False)
 
     async def stop(self) -> None:
         log.info("node stopping", extra={"node": self.broker.node_id, "connections": len(self.amqp.connections)})

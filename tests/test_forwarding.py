@@ -311,3 +311,19 @@ async def test_a_caller_without_the_cluster_secret_is_refused(pair: Any) -> None
         assert info.value.code() == grpc.StatusCode.UNAUTHENTICATED
     assert q_owner.message_count == 1  # nothing was purged
     assert (await link.stats("/", "q")) == (1, 0)
+
+
+async def test_forwarded_batches_wait_while_the_owner_has_a_resource_alarm(pair: Any) -> None:
+    """#17: the owner's memory or disk alarm holds batches from other nodes, as it blocks its own publishers."""
+    from core.engine.alarms import MEMORY
+
+    owner, _, q_owner, q_remote, _ = pair
+    owner.alarms.set(MEMORY, True)
+    answers: list[bool] = []
+    assert q_remote.enqueue(Message("", "q", TRANSIENT, b"held"))
+    q_remote.remote.when_forwarded(answers.append)
+    await asyncio.sleep(0.5)
+    assert answers == [] and q_owner.message_count == 0
+    owner.alarms.set(MEMORY, False)
+    await _until(lambda: answers == [True])
+    assert [qm.message.body for qm in q_owner.default.ready] == [b"held"]

@@ -215,3 +215,21 @@ def test_effective_definition_for_the_management_api() -> None:
     cap = policy("cap", ".*", {"max-length": 3, "message-ttl": 1000}, operator=True)
     assert effective_definition(p, cap) == {"max-length": 3, "dead-letter-exchange": "dlx", "message-ttl": 1000}
     assert effective_definition(None, None) == {}
+
+
+def test_delivery_limit_policy_on_quorum_queues_as_rabbitmq_4() -> None:
+    """No argument: the policy's limit (above or below the default 20); with both, the smaller; none: 20."""
+    vh = VirtualHost("/", ManualScheduler())
+    quorum = {"x-queue-type": "quorum"}
+    plain = vh.declare_queue("qq.plain", None, durable=True, arguments=quorum)
+    own = vh.declare_queue("qq.own", None, durable=True, arguments={**quorum, "x-delivery-limit": 5})
+    assert plain.args.delivery_limit == 20 and own.args.delivery_limit == 5
+    vh.set_policy(policy("dl", "^qq", {"delivery-limit": 50}))
+    assert plain.args.delivery_limit == 50 and own.args.delivery_limit == 5
+    vh.set_policy(policy("dl", "^qq", {"delivery-limit": 3}))
+    assert plain.args.delivery_limit == 3 and own.args.delivery_limit == 3
+    vh.set_policy(policy("dl", "^qq", {"dead-letter-strategy": "at-least-once", "overflow": "reject-publish",
+                                       "dead-letter-exchange": "dlx"}))
+    assert plain.args.delivery_limit == 20 and plain.at_least_once  # the policy no longer sets a limit
+    classic = vh.declare_queue("qq.classic", None, durable=True)
+    assert classic.args.delivery_limit is None and not classic.at_least_once  # quorum-only keys leave it alone

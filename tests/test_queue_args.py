@@ -345,3 +345,23 @@ def test_queue_argument_equivalence(vh: VirtualHost) -> None:
     with pytest.raises(PreconditionFailed) as info:
         vh.declare_queue("q", OWNER, arguments={"x-message-ttl": 2000})
     assert "inequivalent arg 'x-message-ttl'" in info.value.text
+
+
+def test_quorum_args_defaults_and_fallbacks() -> None:
+    from core.engine.queue_args import QUORUM_DELIVERY_LIMIT, parse_queue_args, quorum_args
+
+    plain = quorum_args(parse_queue_args({"x-queue-type": "quorum"}, "q", "/"))
+    assert plain.quorum and plain.delivery_limit == QUORUM_DELIVERY_LIMIT == 20
+    unlimited = parse_queue_args({"x-queue-type": "quorum", "x-delivery-limit": -1}, "q", "/")
+    assert quorum_args(unlimited).delivery_limit is None
+    # reject-publish-dlx acts as drop-head; at-least-once without reject-publish is at-most-once (RabbitMQ's fallbacks)
+    a = quorum_args(parse_queue_args({"x-queue-type": "quorum", "x-overflow": "reject-publish-dlx",
+                                      "x-dead-letter-strategy": "at-least-once", "x-dead-letter-exchange": "d"},
+                                     "q", "/"))
+    assert a.overflow == "drop-head" and a.dead_letter_strategy == "at-most-once"
+    b = quorum_args(parse_queue_args({"x-queue-type": "quorum", "x-overflow": "reject-publish",
+                                      "x-dead-letter-strategy": "at-least-once", "x-dead-letter-exchange": "d"},
+                                     "q", "/"))
+    assert b.dead_letter_strategy == "at-least-once"
+    classic = quorum_args(parse_queue_args({"x-queue-type": "classic"}, "q", "/"))
+    assert not classic.quorum and classic.delivery_limit is None

@@ -1158,6 +1158,9 @@ class NodeService(pb_grpc.NodeServicer):
         async def read() -> None:
             try:
                 async for batch in request_iterator:
+                    # A resource alarm here holds forwarded batches; the sending node's
+                    # forwarding then backs up and its flow control holds its publishers.
+                    await self.broker.alarms.wait_clear()
                     results.put_nowait(await self._enqueue_batch(batch))
             finally:
                 results.put_nowait(None)

@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from core.engine import passwords
+from core.engine.alarms import DISK, MEMORY, Alarms
 from core.engine.direct_reply import ReplyRegistry
 from core.engine.login_throttle import LoginThrottle
 from core.engine.node_stats import NodeStats
@@ -113,8 +114,9 @@ class Broker:
         self.stats = NodeStats()  # message counters for /metrics (leveret/http/metrics.py)
         self.durability: Durability | None = None  # set when a store is configured
         self.committer: GroupCommitter | None = None
-        # Set by the node's memory monitor; the front ends stop reading from publishers.
-        self.memory_alarm = False
+        # Raised by the node's resource monitors (leveret/resources.py): the front ends stop
+        # reading from publishers, gRPC pushes and forwarded batches wait (core/engine/alarms.py).
+        self.alarms = Alarms()
         # Declarations and queue operations of the front ends: coordination/local.py on a
         # single node, coordination/etcd.py in a cluster (core/ports/coordinator.py).
         self._coordinator = coordinator
@@ -133,6 +135,14 @@ class Broker:
             name, password = default_user
             # As in RabbitMQ, the well-known default account only works from loopback.
             self.add_user(name, password, tags=("administrator",), vhosts={"/"}, loopback_only=True)
+
+    @property
+    def memory_alarm(self) -> bool:
+        return MEMORY in self.alarms.raised
+
+    @property
+    def disk_alarm(self) -> bool:
+        return DISK in self.alarms.raised
 
     @property
     def cluster(self) -> Coordinator:

@@ -47,6 +47,10 @@ def make_dead_lettered(message: Message, queue: Queue, reason: str, now: float, 
             entry["original-expiration"] = props["expiration"]
         deaths.insert(0, entry)
     headers["x-death"] = deaths
+    if queue.args.quorum:
+        # The count a quorum queue added on redelivery is not part of the dead-lettered
+        # copy (RabbitMQ 3.10.8 drops it too).
+        headers.pop("x-delivery-count", None)
     headers.setdefault("x-first-death-reason", reason)
     headers.setdefault("x-first-death-queue", queue.name)
     headers.setdefault("x-first-death-exchange", message.exchange)

@@ -39,6 +39,7 @@ _ARGUMENT_WINS = {
     "overflow": ("overflow", "x-overflow"),
     "dead-letter-exchange": ("dead_letter_exchange", "x-dead-letter-exchange"),
     "dead-letter-routing-key": ("dead_letter_routing_key", "x-dead-letter-routing-key"),
+    "dead-letter-strategy": ("dead_letter_strategy", "x-dead-letter-strategy"),  # quorum queues only
 }
 _STREAM_LIMITS = ("max-length-bytes",)  # and max-age, in seconds
 _RETENTION_LIMITS = frozenset({"message-ttl", "max-length", "max-length-bytes", "max-age"})

@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 from core.engine.flow import FLOW_HIGH, FLOW_LOW, QueueFlow
 from core.engine.queue_args import QueueArgs
 from core.engine.ready import PriorityReady, requeue_into, take_offsets
+from core.model import properties
 from core.model.clock import AsyncioScheduler, Scheduler, TimerHandle
 from core.model.errors import AccessRefused
 from core.model.message import Message, QueuedMessage
@@ -334,14 +335,28 @@ class QueueChannel:
 
     def discard(self, items: Iterable[tuple[QueuedMessage, Consumer | None]]) -> None:
         """Rejected without requeue: settle, and dead-letter where the queue says so."""
+        queue = self.queue
+        if queue.at_least_once and queue.remote is None and not queue.deleted:
+            # Dead-letter first, then settle: a message no queue took stays stored and waits.
+            pairs = list(items)
+            kept = queue.dead_letter_kept([qm for qm, _ in pairs], REJECTED)
+            for qm, consumer in pairs:
+                if id(qm) in kept:
+                    stored, qm.persisted = qm.persisted, False  # settled, yet it stays in the store
+                    self.settle(qm, consumer)
+                    qm.persisted = stored
+                else:
+                    self.settle(qm, consumer)
+            self.dispatch()
+            return
         dropped = []
         for qm, consumer in items:
             if qm.link is not None:
                 qm.link.reject_next(qm)  # the owner drops (and dead-letters) it
             self.settle(qm, consumer)
             dropped.append(qm)
-        if dropped and not self.queue.deleted and self.queue.remote is None:
-            self.queue.dead_letter(dropped, REJECTED)  # settle already removed them from the store
+        if dropped and not queue.deleted and queue.remote is None:
+            queue.dead_letter(dropped, REJECTED)  # settle already removed them from the store
         self.dispatch()
 
     def requeue(self, items: Iterable[tuple[QueuedMessage, Consumer | None]]) -> None:
@@ -352,6 +367,7 @@ class QueueChannel:
         back: list[QueuedMessage] = []
         over: list[QueuedMessage] = []  # returned more often than x-delivery-limit
         limit = self.queue.args.delivery_limit
+        quorum = self.queue.args.quorum
         for qm, consumer in items:
             self.unacked -= 1
             if consumer is not None:
@@ -373,6 +389,8 @@ class QueueChannel:
                 over.append(qm)
                 continue
             qm.redelivered = True
+            if quorum:
+                qm.message = with_delivery_count(qm.message, qm.delivery_count)
             back.append(qm)
             self.ready_bytes += len(qm.message.body)
             if qm.persisted:
@@ -461,7 +479,23 @@ def _offset(qm: QueuedMessage) -> int:
     return qm.offset
 
 
-DeadLetterFn = Callable[["Queue", list[QueuedMessage], str], None]
+# Dead-letters ``messages``; returns those no queue took (ids), which at-least-once keeps.
+DeadLetterFn = Callable[["Queue", list[QueuedMessage], str], "set[int]"]
+# How often a quorum queue with at-least-once dead-lettering retries the messages
+# no queue took (RabbitMQ's dead-letter worker retries on its own timer too).
+DLX_RETRY_S = 1.0
+
+
+def with_delivery_count(message: Message, count: int) -> Message:
+    """``message`` with the ``x-delivery-count`` header a quorum queue's redeliveries carry.
+
+    Only on redelivery (off the publish and first-delivery paths): one decode
+    and encode of the properties per return.
+    """
+    headers = dict(message.headers)
+    headers["x-delivery-count"] = count
+    return Message(message.exchange, message.routing_key, properties.with_headers(message.props, headers),
+                   message.body, node=message.node, timestamp=message.timestamp)
 
 
 class Queue:
@@ -512,6 +546,11 @@ class Queue:
         # message is dropped instead of requeued (drop_offsets).
         self.retained: set[int] = set()
         self.published = 0  # messages enqueued: a counter the management API reads (core/engine/stats.py)
+        # A quorum queue stores every message, persistent or not, as RabbitMQ's do.
+        self._store_all = self.args.quorum
+        # At-least-once dead-lettering: messages no queue took yet, still stored, retried.
+        self.dlx_pending: list[tuple[QueuedMessage, str]] = []
+        self._dlx_timer: TimerHandle | None = None
         self.touch()
 
     @property
@@ -536,9 +575,10 @@ class Queue:
     def stores(self, message: Message) -> bool:
         """Whether this queue, having a store, writes ``message`` there (and so confirms it after the commit).
 
-        A classic queue stores persistent messages only; a stream overrides this.
+        A classic queue stores persistent messages only, a quorum queue every
+        message; a stream overrides this.
         """
-        return message.persistent
+        return message.persistent or self._store_all
 
     def enqueue(self, message: Message) -> bool:
         """Add ``message``; False when the queue refused it (x-overflow reject-publish*)."""
@@ -558,7 +598,7 @@ class Queue:
         self.published += 1
         if self._ttl_ms is not None or message.summary.expiration is not None:
             qm.expires_at = self._expiry_of(message)
-        if self.storage is not None and message.persistent:
+        if self.storage is not None and (message.persistent or self._store_all):
             qm.persisted = True
             self.storage.append(qm)
         self._push_to_channels(qm)
@@ -583,7 +623,7 @@ class Queue:
             offset += 1
             if timed or m.summary.expiration is not None:
                 qm.expires_at = self._expiry_of(m)
-            if storage is not None and m.persistent:
+            if storage is not None and (m.persistent or self._store_all):
                 qm.persisted = True
                 storage.append(qm)
             qms.append(qm)
@@ -636,6 +676,15 @@ class Queue:
 
     def drop(self, messages: list[QueuedMessage], reason: str) -> None:
         """Ready messages removed by the queue itself (expiry, overflow)."""
+        if self.at_least_once:
+            # Dead-letter first, then remove from the store: the target's write and
+            # this removal share a commit (core/durable/group_commit.py), and should a
+            # full batch split them, the copy is written before the original goes.
+            kept = self.dead_letter_kept(messages, reason)
+            for qm in messages:
+                if qm.persisted and id(qm) not in kept:
+                    self.forget(qm)
+            return
         for qm in messages:
             if qm.persisted:
                 self.forget(qm)
@@ -668,6 +717,8 @@ class Queue:
         qm.delivery_count = delivery_count
         qm.redelivered = True
         qm.persisted = True
+        if delivery_count and self._store_all:
+            qm.message = with_delivery_count(message, delivery_count)
         self.next_offset = max(self.next_offset, offset + 1)
         self._push_to_channels(qm)
 
@@ -685,6 +736,48 @@ class Queue:
         """Messages leave without an ack: to the dead-letter exchange if there is one."""
         if self._on_dead_letter is not None and self.args.dead_letter_exchange is not None:
             self._on_dead_letter(self, messages, reason)
+
+    @property
+    def at_least_once(self) -> bool:
+        """Quorum queue with ``x-dead-letter-strategy: at-least-once`` (and reject-publish, a DLX)."""
+        return self.args.quorum and self.args.dead_letter_strategy == "at-least-once"
+
+    def dead_letter_kept(self, messages: list[QueuedMessage], reason: str) -> set[int]:
+        """At-least-once: dead-letter ``messages``; keep (stored, retried) those no queue took. Their ids."""
+        if self._on_dead_letter is None:
+            return set()
+        kept = self._on_dead_letter(self, messages, reason)
+        if kept:
+            self.dlx_pending.extend((qm, reason) for qm in messages if id(qm) in kept)
+            self._arm_dlx_retry()
+        return kept
+
+    def _arm_dlx_retry(self) -> None:
+        if self._dlx_timer is None and self.dlx_pending and not self.deleted:
+            self._dlx_timer = self.scheduler.call_later(DLX_RETRY_S, self._retry_dead_letters)
+
+    def _retry_dead_letters(self) -> None:
+        self._dlx_timer = None
+        if self.deleted or self._on_dead_letter is None or self.remote is not None:
+            return
+        waiting = self.dlx_pending
+        self.dlx_pending = []
+        if not self.at_least_once:
+            for qm, _reason in waiting:  # the strategy changed (a policy): at-most-once drops them now
+                if qm.persisted:
+                    self.forget(qm)
+            return
+        by_reason: dict[str, list[QueuedMessage]] = {}
+        for qm, reason in waiting:
+            by_reason.setdefault(reason, []).append(qm)
+        for reason, group in by_reason.items():
+            kept = self._on_dead_letter(self, group, reason)
+            for qm in group:
+                if id(qm) in kept:
+                    self.dlx_pending.append((qm, reason))
+                elif qm.persisted:
+                    self.forget(qm)
+        self._arm_dlx_retry()
 
     # -- extra channels (native API) -------------------------------------------
     def add_channel(self, name: str, topic_filter: Callable[[str], bool] | None = None) -> QueueChannel:
@@ -804,12 +897,17 @@ class Queue:
         """
         self.lease = None
         self.storage = None
+        self.dlx_pending = []  # still stored: the next owner loads them as ready
         self.reset_ready()
 
     def delete(self) -> int:
         """Mark deleted, cancel every consumer and timer; return the ready count dropped."""
         self.deleted = True
         count = self.message_count
+        if self._dlx_timer is not None:
+            self._dlx_timer.cancel()
+            self._dlx_timer = None
+        self.dlx_pending = []
         if self._expires_timer is not None:
             self._expires_timer.cancel()
             self._expires_timer = None

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
@@ -9,6 +10,15 @@ from core.engine.stream_args import parse_stream_args
 from core.model.errors import PreconditionFailed
 
 OVERFLOW_MODES = ("drop-head", "reject-publish", "reject-publish-dlx")
+DLX_STRATEGIES = ("at-most-once", "at-least-once")
+LEADER_LOCATORS = ("client-local", "balanced")
+# RabbitMQ 4's delivery limit for quorum queues that set none (3.x had none); a
+# negative x-delivery-limit turns it off, as in 4.x.
+QUORUM_DELIVERY_LIMIT = 20
+# Arguments this node knows that RabbitMQ refuses on a quorum queue (measured with
+# RabbitMQ 3.10.8: "invalid arg 'x-max-priority' for queue 'q' in vhost '/' of queue
+# type rabbit_quorum_queue"); x-queue-version and x-queue-master-locator are classic-only.
+NOT_FOR_QUORUM = ("x-max-priority", "x-queue-mode", "x-queue-version", "x-queue-master-locator")
 
 
 @dataclass(frozen=True)
@@ -25,6 +35,16 @@ class QueueArgs:
     queue_type: str = "classic"
     max_age: float | None = None  # seconds; streams only (x-max-age)
     delivery_limit: int | None = None  # a message returned more often than this is dead-lettered
+    # Quorum queues (docs/AMQP.md "Quorum queues"): at-least-once keeps a dead-lettered
+    # message until a queue has taken it; the leader locator and group size are accepted
+    # (the shared store replicates, and a cluster places queues through its coordinator).
+    dead_letter_strategy: str = "at-most-once"
+    leader_locator: str | None = None
+    initial_group_size: int | None = None
+
+    @property
+    def quorum(self) -> bool:
+        return self.queue_type == "quorum"
 
 
 def _type_name(value: Any) -> str:
@@ -73,6 +93,16 @@ def parse_queue_args(arguments: dict[str, Any], queue: str, vhost: str) -> Queue
                 f"unsupported queue argument '{key}' for queue '{queue}' in vhost '{vhost}': "
                 "this node does not implement it, so it refuses the declaration rather than ignore it"
             )
+    if queue_type == "quorum":
+        for key in NOT_FOR_QUORUM:
+            if key in arguments:
+                raise PreconditionFailed(f"invalid arg '{key}' for queue '{queue}' in vhost '{vhost}' "
+                                         "of queue type rabbit_quorum_queue")
+    elif queue_type == "classic":
+        for key in QUORUM_ONLY:
+            if key in arguments:
+                raise PreconditionFailed(f"invalid arg '{key}' for queue '{queue}' in vhost '{vhost}' "
+                                         "of queue type rabbit_classic_queue")
     overflow = string("x-overflow") or "drop-head"
     if overflow not in OVERFLOW_MODES:
         raise invalid("x-overflow", f"{{unacceptable_value,{overflow}}}")
@@ -82,9 +112,21 @@ def parse_queue_args(arguments: dict[str, Any], queue: str, vhost: str) -> Queue
     sac = arguments.get("x-single-active-consumer", False)
     if not isinstance(sac, bool):
         raise invalid("x-single-active-consumer", f"{{unacceptable_type,{_type_name(sac)}}}")
-    if queue_type != "classic":
+    if queue_type not in ("classic", "quorum"):
         raise invalid("x-queue-type", f"queue type '{queue_type}' is not supported by this node "
-                                      "(classic and stream only)")
+                                      "(classic, quorum and stream)")
+    strategy = string("x-dead-letter-strategy") or "at-most-once"
+    if strategy not in DLX_STRATEGIES:
+        raise invalid("x-dead-letter-strategy", "invalid_dlx_strategy")
+    locator = string("x-queue-leader-locator")
+    if locator is not None and locator not in LEADER_LOCATORS:
+        raise invalid("x-queue-leader-locator", "invalid_queue_locator_arg")
+    delivery_limit: int | None
+    if queue_type == "quorum" and isinstance(arguments.get("x-delivery-limit"), int) \
+            and not isinstance(arguments["x-delivery-limit"], bool) and arguments["x-delivery-limit"] < 0:
+        delivery_limit = -1  # RabbitMQ 4: a negative limit means none (quorum_args resolves it)
+    else:
+        delivery_limit = integer("x-delivery-limit", 0)
     dlrk = string("x-dead-letter-routing-key")
     dlx = string("x-dead-letter-exchange")
     if dlrk is not None and dlx is None:
@@ -103,8 +145,35 @@ def parse_queue_args(arguments: dict[str, Any], queue: str, vhost: str) -> Queue
         max_priority=max_priority,
         single_active_consumer=sac,
         queue_type=queue_type,
-        delivery_limit=integer("x-delivery-limit", 0),
+        delivery_limit=delivery_limit,
+        dead_letter_strategy=strategy,
+        leader_locator=locator,
+        initial_group_size=integer("x-quorum-initial-group-size", 1),
     )
+
+
+def quorum_args(args: QueueArgs) -> QueueArgs:
+    """What a quorum queue enforces once its arguments and policies are combined.
+
+    RabbitMQ 4's default delivery limit (20) where neither set one, none where the
+    limit is negative; ``reject-publish-dlx`` acts as ``drop-head`` (RabbitMQ logs
+    "invalid overflow strategy" and uses its default); ``at-least-once``
+    dead-lettering needs ``reject-publish`` overflow, else it is at-most-once, as
+    RabbitMQ falls back.
+    """
+    if not args.quorum:
+        return args
+    changes: dict[str, Any] = {}
+    if args.delivery_limit is None:
+        changes["delivery_limit"] = QUORUM_DELIVERY_LIMIT
+    elif args.delivery_limit < 0:
+        changes["delivery_limit"] = None
+    if args.overflow == "reject-publish-dlx":
+        changes["overflow"] = "drop-head"
+    if args.dead_letter_strategy == "at-least-once" and (args.overflow != "reject-publish"
+                                                          or args.dead_letter_exchange is None):
+        changes["dead_letter_strategy"] = "at-most-once"
+    return dataclasses.replace(args, **changes) if changes else args
 
 
 KNOWN = frozenset(
@@ -120,6 +189,9 @@ KNOWN = frozenset(
         "x-single-active-consumer",
         "x-queue-type",
         "x-delivery-limit",
+        "x-dead-letter-strategy",
+        "x-queue-leader-locator",
+        "x-quorum-initial-group-size",
         # Storage hints with no meaning for an in-memory classic queue; accepted
         # because RabbitMQ tooling sets them routinely.
         "x-queue-mode",
@@ -127,3 +199,14 @@ KNOWN = frozenset(
         "x-queue-version",
     }
 )
+# Quorum-only arguments RabbitMQ 3.10.8 refuses on a classic queue ("... of queue type
+# rabbit_classic_queue"). It refuses x-delivery-limit too; this node keeps accepting
+# that one on classic queues (it enforced it there before quorum queues existed).
+QUORUM_ONLY = ("x-dead-letter-strategy", "x-queue-leader-locator", "x-quorum-initial-group-size")
+
+
+def check_quorum_declare(queue: str, vhost: str, durable: bool, exclusive: bool, auto_delete: bool) -> None:
+    """A quorum queue is durable, not exclusive, not auto-delete: RabbitMQ's 406 texts (3.10.8)."""
+    for prop, bad in (("non-durable", not durable), ("exclusive-owner", exclusive), ("auto-delete", auto_delete)):
+        if bad:
+            raise PreconditionFailed(f"invalid property '{prop}' for queue '{queue}' in vhost '{vhost}'")

@@ -12,11 +12,11 @@ from core.engine import dead_letter
 from core.engine.exchange import Binding, Destination, Exchange, make_exchange
 from core.engine.policy import effective_alternate, effective_queue_args
 from core.engine.queue import Queue
-from core.engine.queue_args import QueueArgs, parse_queue_args
+from core.engine.queue_args import QueueArgs, check_quorum_declare, parse_queue_args, quorum_args
 from core.engine.stream import StreamQueue
 from core.engine.stream_args import check_stream_declare
 from core.model.clock import AsyncioScheduler, Scheduler
-from core.model.errors import AccessRefused, NotFound, PreconditionFailed, ResourceLocked
+from core.model.errors import AccessRefused, NotFound, NotImplementedFeature, PreconditionFailed, ResourceLocked
 from core.model.message import Message, QueuedMessage
 from core.model.policy import Policy, select
 
@@ -155,10 +155,12 @@ class VirtualHost:
                 )
         make_exchange(type_, name)  # an unknown type raises here, as it would at creation
 
-    def check_new_queue(self, name: str, arguments: dict[str, Any]) -> None:
+    def check_new_queue(self, name: str, arguments: dict[str, Any], durable: bool = True, exclusive: bool = False,
+                        auto_delete: bool = False) -> None:
         if name.startswith("amq.") and not name.startswith("amq.gen-"):
             raise AccessRefused(f"queue name '{name}' contains reserved prefix 'amq.*'")
-        parse_queue_args(arguments, name, self.name)
+        if parse_queue_args(arguments, name, self.name).quorum:
+            check_quorum_declare(name, self.name, durable, exclusive, auto_delete)
 
     def check_exchange_deletable(self, name: str) -> None:
         """403 for the default and the standard (amq.*) exchanges."""
@@ -216,6 +218,8 @@ class VirtualHost:
             if args.queue_type == "stream":
                 check_stream_declare(name, self.name, durable and not generated, exclusive, auto_delete)
                 kind = StreamQueue
+            elif args.quorum:
+                check_quorum_declare(name, self.name, durable, exclusive, auto_delete)
             q = kind(
                 name,
                 self.name,
@@ -277,6 +281,11 @@ class VirtualHost:
         if q is None:
             return 0  # idempotent, as in RabbitMQ
         self.get_queue(name, owner)
+        if if_empty and q.args.quorum:
+            # RabbitMQ 3.10.8's words (540, a connection error).
+            raise NotImplementedFeature(
+                f"cannot delete queue '{name}' in vhost '{self.name}'. queue.delete operations with if-empty "
+                "flag set are not supported by quorum queues")
         if if_unused and q.consumer_count:
             raise PreconditionFailed(f"queue '{name}' in vhost '{self.name}' in use")
         if if_empty and q.message_count:
@@ -412,10 +421,11 @@ class VirtualHost:
 
     def _queue_args_with_policies(self, name: str, arguments: dict[str, Any], parsed: QueueArgs) -> QueueArgs:
         if not self.policies and not self.operator_policies:
-            return parsed
+            return quorum_args(parsed)
         stream = parsed.queue_type == "stream"
-        return effective_queue_args(parsed, arguments, select(self.policies.values(), "queue", name, stream),
-                                    select(self.operator_policies.values(), "queue", name, stream))
+        return quorum_args(effective_queue_args(
+            parsed, arguments, select(self.policies.values(), "queue", name, stream),
+            select(self.operator_policies.values(), "queue", name, stream)))
 
     def _apply_exchange_policy(self, x: Exchange) -> None:
         if not self.policies:
@@ -425,25 +435,34 @@ class VirtualHost:
             self.policy_alternates[x.name] = ae
 
     # -- dead-lettering --------------------------------------------------------
-    def _dead_letter(self, queue: Queue, messages: list[QueuedMessage], reason: str) -> None:
+    def _dead_letter(self, queue: Queue, messages: list[QueuedMessage], reason: str) -> set[int]:
+        """Republish ``messages`` to ``queue``'s dead-letter exchange; the ids of those no queue took.
+
+        (A quorum queue with at-least-once dead-lettering keeps those and retries them.)
+        """
         dlx_name = queue.args.dead_letter_exchange
         if dlx_name is None:
-            return
+            return set()
         exchange: Exchange | None = None
         if dlx_name not in ("", "amq.default"):
             exchange = self.exchanges.get(dlx_name)
             if exchange is None:
                 log.debug("dead-letter exchange missing; message dropped",
                           extra={"vhost": self.name, "queue": queue.name, "dlx": dlx_name})
-                return
+                return {id(qm) for qm in messages}
         now = self.scheduler.now()
+        untaken: set[int] = set()
         for qm in messages:
             dead = dead_letter.make_dead_lettered(qm.message, queue, reason, now, dlx_name)
             targets = self.route(exchange, dead)
             if reason != dead_letter.REJECTED:
                 targets = [t for t in targets if not dead_letter.is_cycle(t.name, dead.headers)]
+            taken = False
             for target in targets:
-                target.enqueue(dead)
+                taken = target.enqueue(dead) or taken
+            if not taken:
+                untaken.add(id(qm))
+        return untaken
 
     # -- routing ---------------------------------------------------------------
     def route(self, exchange: Exchange | None, message: Message) -> list[Queue]:

@@ -488,6 +488,8 @@ class BrokerServicer(pb_grpc.BrokerServicer):
         async with _errors(context):
             user, vh = self._login(context)
             q = self._queue(vh, request.queue)
+            # A resource alarm (memory, disk) holds pushes as it blocks AMQP publishers.
+            await self.broker.alarms.wait_clear()
             call = flow.HeldCall()
             previous = flow.swap(call)
             try:
@@ -510,6 +512,9 @@ class BrokerServicer(pb_grpc.BrokerServicer):
             push = self._push
             call = flow.HeldCall()
             for i, req in enumerate(request.messages):
+                if not i % PUSH_SLICE:
+                    # Each slice waits while a resource alarm is raised (as AMQP publishers are blocked).
+                    await self.broker.alarms.wait_clear()
                 if i and not i % PUSH_SLICE:
                     # A loop turn between slices for everyone else; wait while flow control holds.
                     await asyncio.sleep(0)

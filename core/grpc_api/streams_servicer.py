@@ -256,6 +256,7 @@ class StreamsServicer(pb_grpc.StreamsServicer):
                 q = self._stream(vh, topic)
                 message = Message("", request.key or topic, props, request.body, summary, node)
             message.id  # noqa: B018 - fixed now (ids are lazy): the reply names it, and a forward carries it
+            await self.api.broker.alarms.wait_clear()  # a resource alarm holds publishes (core/engine/alarms.py)
             # Another node owns the stream: it gives the offset (0 here) and answers after its commit.
             offset = q.next_offset if q.remote is None else 0
             # A stream confirms after its commit whatever the delivery mode (core/engine/publish.py).

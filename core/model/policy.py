@@ -59,6 +59,11 @@ def _max_age(key: str, value: Any) -> None:
         raise PolicyError(f"{key}: {value!r} is not a duration such as 7D, 12h, 30m, 45s, 1M or 1Y")
 
 
+def _dlx_strategy(key: str, value: Any) -> None:
+    if value not in ("at-most-once", "at-least-once"):
+        raise PolicyError(f"{key}: {value!r} is not at-most-once or at-least-once")
+
+
 def _boolean(key: str, value: Any) -> None:
     if not isinstance(value, bool):
         raise PolicyError(f"{key}: {value!r} is not true or false")
@@ -74,6 +79,7 @@ DEFINITION_KEYS: dict[str, Callable[[str, Any], None]] = {
     "overflow": _overflow,
     "dead-letter-exchange": _text,
     "dead-letter-routing-key": _text,
+    "dead-letter-strategy": _dlx_strategy,
     "delivery-limit": _non_negative,
     "alternate-exchange": _text,
     "queue-mode": _queue_mode,

@@ -143,7 +143,7 @@ def _node_json(call: Call) -> dict[str, Any]:
     return {
         "name": call.node_name, "type": "disc", "running": True, "os_pid": str(os.getpid()),
         "mem_used": _rss_bytes(), "mem_limit": watermark() if callable(watermark) else 0,
-        "mem_alarm": call.broker.memory_alarm, "disk_free_alarm": False, "fd_used": fds,
+        "mem_alarm": call.broker.memory_alarm, "disk_free_alarm": call.broker.disk_alarm, "fd_used": fds,
         "sockets_used": len(call.node.amqp.connections), "proc_used": 1, "processors": os.cpu_count() or 1,
         "uptime": int((time.time() - call.api.started_at) * 1000), "partitions": [],
         "run_queue": 0, "rates_mode": "basic", "being_drained": False,
@@ -559,9 +559,10 @@ async def health_ok(call: Call) -> dict[str, Any]:
 
 
 async def health_alarms(call: Call) -> Any:
-    if call.broker.memory_alarm:
+    if call.broker.alarms.raised:
         return json_response({"status": "failed", "reason": "resource alarm(s) in effect in the cluster",
-                              "alarms": [{"node": call.node_name, "resource": "memory"}]}, status=503)
+                              "alarms": [{"node": call.node_name, "resource": r}
+                                         for r in sorted(call.broker.alarms.raised)]}, status=503)
     return {"status": "ok"}
 
 

@@ -236,7 +236,7 @@ def plan_import(call: Call, data: dict[str, Any], only_vhost: str | None) -> Pla
         existing_q = vh.queues.get(name) if vh is not None else None
         try:
             if existing_q is None:
-                scratch.check_new_queue(name, args)
+                scratch.check_new_queue(name, args, durable=durable, auto_delete=auto_delete)
             else:
                 assert vh is not None
                 vh._check_equivalent("queue", name, (("durable", durable, existing_q.durable),

@@ -38,7 +38,7 @@ from prometheus_client.core import (
     UnknownMetricFamily,
 )
 
-from leveret import __version__
+from leveret import __version__, resources
 
 if TYPE_CHECKING:
     from core.engine.queue import Queue
@@ -273,9 +273,8 @@ class NodeCollector:
         yield GaugeMetricFamily(self._name("process_max_tcp_sockets"), "Open TCP sockets limit", value=soft)
         yield GaugeMetricFamily(self._name("resident_memory_limit_bytes"), "Memory high watermark in bytes",
                                 value=node.watermark_bytes())
-        # Leveret has no free-disk alarm: no limit to report but RabbitMQ's "none".
         yield GaugeMetricFamily(self._name("disk_space_available_limit_bytes"),
-                                "Free disk space low watermark in bytes", value=0)
+                                "Free disk space low watermark in bytes", value=node.disk_free_limit_bytes())
         yield GaugeMetricFamily(self._name("erlang_uptime_seconds"), "Node uptime",
                                 value=time.monotonic() - node.started_at)
 
@@ -283,7 +282,8 @@ class NodeCollector:
         # RabbitMQ 3.10's names (3.13 renamed them *_limit); the published dashboards read these.
         for name, help_, on in (
             ("file_descriptor_limit", "is 1 if file descriptor limit alarm is in effect", False),
-            ("free_disk_space_watermark", "is 1 if free disk space watermark alarm is in effect", False),
+            ("free_disk_space_watermark", "is 1 if free disk space watermark alarm is in effect",
+             self.node.broker.disk_alarm),
             ("memory_used_watermark", "is 1 if VM memory watermark alarm is in effect", self.node.broker.memory_alarm),
         ):
             yield UnknownMetricFamily("rabbitmq_alarms_" + name, help_, value=1 if on else 0)
@@ -344,6 +344,14 @@ class NodeCollector:
     # -- Leveret's own -------------------------------------------------------------
     def _leveret(self) -> Iterator[Metric]:
         node = self.node
+        held = GaugeMetricFamily("leveret_memory_held_bytes", "What the memory alarm counts, by part "
+                                 "(docs/AMQP.md, Resource alarms); compare with rabbitmq_process_resident_memory_bytes",
+                                 labels=["part"])
+        use = resources.memory_use(node.broker, node.amqp)
+        held.add_metric(["bodies"], use.bodies)
+        held.add_metric(["index"], use.index)
+        held.add_metric(["partial_and_buffers"], use.partial_and_buffers)
+        yield held
         committer = node.broker.committer
         if committer is not None:
             yield SummaryMetricFamily(

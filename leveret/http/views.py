@@ -60,7 +60,7 @@ def queue_json(q: Queue, node: str, rates: RateSampler, owner_counts: tuple[int,
     return {
         "name": q.name, "vhost": q.vhost, "durable": q.durable, "auto_delete": q.auto_delete,
         "exclusive": q.exclusive, "arguments": jsonable(q.arguments), "node": node,
-        "type": "stream" if isinstance(q, StreamQueue) else "classic", "state": "running",
+        "type": "stream" if isinstance(q, StreamQueue) else q.args.queue_type, "state": "running",
         "messages": ready + unacked, "messages_ready": ready, "messages_unacknowledged": unacked,
         "message_bytes_ready": q.default.ready_bytes, "consumers": consumers,
         "policy": policy.name if policy else None, "operator_policy": operator.name if operator else None,
