@@ -449,7 +449,7 @@ class EtcdCluster:
                 if put:
                     self._user_put(key.parts[0], loads(value))
                 else:
-                    self.broker.users.pop(key.parts[0], None)
+                    self.broker.delete_user(key.parts[0])  # its connections here close too
             elif s == "exchanges":
                 self._exchange_event(key.parts[0], key.parts[1], loads(value) if put else None)
             elif s == "queues":
@@ -478,10 +478,12 @@ class EtcdCluster:
             user = User(name, bytes.fromhex(value["salt"]), bytes.fromhex(value["hash"]),
                         tags=tuple(value.get("tags", ())), vhosts=set(value.get("vhosts", ())),
                         loopback_only=bool(value.get("loopback_only", False)))
-        except (KeyError, ValueError):
+            permissions = value.get("permissions")
+            user.load_grants(permissions if isinstance(permissions, dict) else {})
+        except (KeyError, ValueError, TypeError, AttributeError):
             log.warning("ignoring malformed user record in etcd", extra={"user": name})
             return
-        self.broker.users[name] = user
+        self.broker.put_user(user)
 
     def _node_event(self, node: str, value: dict[str, Any] | None) -> None:
         known = node in self.mirror.nodes

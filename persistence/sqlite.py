@@ -145,9 +145,11 @@ class SQLiteStore:
     async def load_users(self) -> list[UserRecord]:
         def load(db: sqlite3.Connection) -> list[UserRecord]:
             return [
-                UserRecord(name, bytes(salt), bytes(digest), json.loads(tags), json.loads(vhosts), bool(loopback))
-                for name, salt, digest, tags, vhosts, loopback in db.execute(
-                    "SELECT name, salt, password_hash, tags, vhosts, loopback_only FROM users ORDER BY name"
+                UserRecord(name, bytes(salt), bytes(digest), json.loads(tags), json.loads(vhosts), bool(loopback),
+                           json.loads(perms))
+                for name, salt, digest, tags, vhosts, loopback, perms in db.execute(
+                    "SELECT name, salt, password_hash, tags, vhosts, loopback_only, permissions"
+                    " FROM users ORDER BY name"
                 )
             ]
 
@@ -156,10 +158,10 @@ class SQLiteStore:
     async def save_user(self, record: UserRecord) -> None:
         await self._run(
             lambda db: db.execute(
-                "INSERT OR REPLACE INTO users (name, salt, password_hash, tags, vhosts, loopback_only)"
-                " VALUES (?, ?, ?, ?, ?, ?)",
+                "INSERT OR REPLACE INTO users (name, salt, password_hash, tags, vhosts, loopback_only, permissions)"
+                " VALUES (?, ?, ?, ?, ?, ?, ?)",
                 (record.name, record.salt, record.password_hash, json.dumps(record.tags), json.dumps(record.vhosts),
-                 int(record.loopback_only)),
+                 int(record.loopback_only), json.dumps(record.permissions)),
             )
         )
 

@@ -73,6 +73,9 @@ class UserRecord:
     tags: list[str] = field(default_factory=list)
     vhosts: list[str] = field(default_factory=list)  # the vhosts the user may open
     loopback_only: bool = False
+    # The permission regexes: {"vhosts": {vhost: [configure, write, read]},
+    # "topics": {vhost: {exchange: [write, read]}}} (core.engine.broker.User.grants_record).
+    permissions: dict[str, Any] = field(default_factory=dict)
 
 
 @dataclass

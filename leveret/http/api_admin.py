@@ -450,12 +450,14 @@ async def topic_permission_put(call: Call) -> web.Response:
     per = user.topic_permissions.setdefault(vh.name, {})
     existed = exchange in per
     per[exchange] = (write, read)
+    await save_user(call, user)  # stored, and open connections see it at once
     return created(existed)
 
 
 async def topic_permission_delete(call: Call) -> web.Response:
     vh, user = call.vhost(), _user(call)
     user.topic_permissions.pop(vh.name, None)
+    await save_user(call, user)
     return no_content()
 
 

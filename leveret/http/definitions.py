@@ -278,7 +278,7 @@ async def apply_plan(call: Call, plan: Plan) -> None:
             await metadata.save_vhost(call.node, name)
     changed: dict[str, User] = {u.name: u for u in plan.users}
     for user in plan.users:
-        broker.users[user.name] = user
+        broker.put_user(user)
     for user_name, vhost, perm in plan.permissions:
         user = broker.users[user_name]
         user.vhosts.add(vhost)
@@ -286,6 +286,7 @@ async def apply_plan(call: Call, plan: Plan) -> None:
         changed[user.name] = user
     for user_name, vhost, exchange, write, read in plan.topic_permissions:
         broker.users[user_name].topic_permissions.setdefault(vhost, {})[exchange] = (write, read)
+        changed[user_name] = broker.users[user_name]
     for user in changed.values():
         await save_user(call, user)
     for policy in plan.policies:

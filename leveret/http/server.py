@@ -20,6 +20,7 @@ from typing import Any
 
 from aiohttp import web
 
+from core.engine import access
 from core.engine.broker import User
 from core.engine.vhost import VirtualHost
 from core.model.errors import AccessRefused, BrokerError, NotFound
@@ -75,6 +76,10 @@ class Call:
         if not allowed:
             raise not_authorised(f"access to vhost '{name}' refused for user '{self.user.name}'")
         return vh
+
+    def grants(self, vh: VirtualHost) -> access.Grants:
+        """This user's permission answers in ``vh``: the management API checks what AMQP checks."""
+        return self.broker.access.grants(self.user.name, vh.name)
 
     async def body(self, allowed: frozenset[str] | None = None) -> dict[str, Any]:
         """The JSON object sent; 400 for malformed JSON, a non-object, or a field not in ``allowed``."""
