@@ -199,7 +199,7 @@ class AMQPServer:
             conn = proto.conn
             if conn is not None and conn.user is not None and conn.username == name:
                 log.info("closing a deleted user's connection", extra={"user": name})
-                conn.close(320, f"CONNECTION_FORCED - user '{name}' was deleted")
+                conn.close(320, f"CONNECTION_FORCED - user '{name}' is deleted")
                 proto._flush()
 
     def _flow_changed(self, congested: bool) -> None:
