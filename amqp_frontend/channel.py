@@ -17,7 +17,7 @@ from pamqp import commands
 from pamqp.base import Frame as Method
 
 from amqp_frontend import codec, stream_consumer
-from core.engine import access, direct_reply, publish
+from core.engine import access, direct_reply, limits, publish
 from core.engine.exchange import Exchange
 from core.engine.queue import Consumer, Queue, QueueChannel
 from core.engine.stream import StreamQueue
@@ -567,6 +567,7 @@ class Channel:
         # As RabbitMQ: a server-named queue gets its name first, and the check sees that name.
         name = name or server_generated_name()
         access.declare_queue(self.grants, name, m.arguments or {})
+        limits.check_queue(vhost.name, self.conn.broker.vhost_limits.get(vhost.name, {}), vhost.queues, name)
         op = self.conn.broker.cluster.declare_queue(vhost, name, self.conn, m.durable, m.exclusive, m.auto_delete,
                                                     dict(m.arguments or {}))
         self._when(50, 10, op, lambda q: self._queue_declared(m, q))

@@ -445,6 +445,7 @@ class EtcdCluster:
             elif s == "vhosts":
                 if put:
                     self._vhost(key.parts[0])
+                    self._vhost_limits(key.parts[0], loads(value).get("limits"))
             elif s == "users":
                 if put:
                     self._user_put(key.parts[0], loads(value))
@@ -472,6 +473,13 @@ class EtcdCluster:
             vh.on_queue_deleted.append(self._local_queue_deleted)
             vh.on_exchange_auto_deleted.append(self._local_exchange_auto_deleted)
         return vh
+
+    def _vhost_limits(self, name: str, limits: Any) -> None:
+        """RabbitMQ's vhost limits, carried by the vhost's record (leveret/http/metadata.py)."""
+        if isinstance(limits, dict) and limits:
+            self.broker.vhost_limits[name] = {str(k): int(v) for k, v in limits.items()}
+        else:
+            self.broker.vhost_limits.pop(name, None)
 
     def _user_put(self, name: str, value: dict[str, Any]) -> None:
         try:

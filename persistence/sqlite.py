@@ -201,6 +201,18 @@ class SQLiteStore:
     async def save_vhost(self, name: str) -> None:
         await self._run(lambda db: db.execute("INSERT OR IGNORE INTO vhosts (name) VALUES (?)", (name,)))
 
+    async def load_vhost_limits(self) -> dict[str, dict[str, int]]:
+        def load(db: sqlite3.Connection) -> dict[str, dict[str, int]]:
+            rows = db.execute("SELECT name, limits FROM vhosts WHERE limits != '{}' ORDER BY name")
+            return {name: json.loads(limits) for name, limits in rows}
+
+        return await self._run(load)
+
+    async def save_vhost_limits(self, name: str, limits: dict[str, int]) -> None:
+        await self._run(lambda db: db.execute(
+            "INSERT INTO vhosts (name, limits) VALUES (?, ?) ON CONFLICT (name) DO UPDATE SET limits = excluded.limits",
+            (name, json.dumps(limits))))
+
     async def delete_vhost(self, name: str) -> bool:
         def delete(db: sqlite3.Connection) -> bool:
             with _transaction(db):

@@ -203,6 +203,7 @@ class Durability:
 
         for name in await self.store.load_vhosts():
             broker.add_vhost(name)
+        broker.vhost_limits.update(await self.store.load_vhost_limits())
         for r in await self.store.load_users():
             user = User(r.name, r.salt, r.password_hash, tuple(r.tags), set(r.vhosts), r.loopback_only)
             user.load_grants(r.permissions)

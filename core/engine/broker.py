@@ -8,7 +8,7 @@ import ipaddress
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from core.engine import passwords
+from core.engine import limits, passwords
 from core.engine.access import AccessTable
 from core.engine.direct_reply import ReplyRegistry
 from core.engine.login_throttle import LoginThrottle
@@ -53,6 +53,8 @@ class User:
     # here has ".*" for all three); topic permissions: vhost -> exchange -> (write, read).
     permissions: dict[str, Permission] = field(default_factory=dict)
     topic_permissions: dict[str, dict[str, tuple[str, str]]] = field(default_factory=dict)
+    # RabbitMQ's user limits: max-connections, max-channels (core/engine/limits.py).
+    limits: dict[str, int] = field(default_factory=dict)
 
     @classmethod
     def create(cls, name: str, password: str, **kwargs: object) -> User:
@@ -85,7 +87,8 @@ class User:
         """The permission regexes as stored (users.permissions, etcd's user record)."""
         return {"vhosts": {v: [p.configure, p.write, p.read] for v, p in sorted(self.permissions.items())},
                 "topics": {v: {x: [w, r] for x, (w, r) in sorted(per.items())}
-                           for v, per in sorted(self.topic_permissions.items()) if per}}
+                           for v, per in sorted(self.topic_permissions.items()) if per},
+                "limits": dict(sorted(self.limits.items()))}
 
     def load_grants(self, record: dict[str, Any]) -> None:
         """Back from ``grants_record`` (a record without it, from before permissions were kept: ".*")."""
@@ -96,6 +99,8 @@ class User:
         self.topic_permissions = {str(v): {str(x): (str(wr[0]), str(wr[1])) for x, wr in per.items()
                                            if isinstance(wr, list) and len(wr) == 2}
                                   for v, per in topics.items() if isinstance(per, dict)}
+        user_limits = record.get("limits") or {}
+        self.limits = {str(k): int(n) for k, n in user_limits.items() if k in limits.USER_LIMITS}
 
     def permission(self, vhost: str) -> Permission | None:
         if vhost not in self.vhosts:
@@ -149,6 +154,9 @@ class Broker:
         self.access = AccessTable(self)
         # Told when a user is deleted: the front ends close its connections (320, as RabbitMQ).
         self.on_user_deleted: list[Callable[[str], None]] = []
+        # Vhost limits (vhost -> max-connections/max-queues) and the open connections they count.
+        self.vhost_limits: dict[str, dict[str, int]] = {}
+        self.limits = limits.Tracker()
         self.add_vhost("/")
         if default_user is not None:
             name, password = default_user

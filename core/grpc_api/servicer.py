@@ -24,7 +24,7 @@ from typing import Any
 import grpc
 
 from core.cluster.forwarding import released
-from core.engine import access, flow, publish
+from core.engine import access, flow, limits, publish
 from core.engine.broker import Broker, User
 from core.engine.publish import Outcome
 from core.engine.queue import Consumer, Queue, QueueChannel
@@ -396,6 +396,7 @@ class BrokerServicer(pb_grpc.BrokerServicer):
             if not request.name:
                 raise ApiError(grpc.StatusCode.INVALID_ARGUMENT, "a queue name is required")
             access.check(self._grants(user, vh), "configure", "queue", request.name)
+            limits.check_queue(vh.name, self.broker.vhost_limits.get(vh.name, {}), vh.queues, request.name)
             if request.name in vh.queues and not request.exist_ok:
                 raise ApiError(grpc.StatusCode.ALREADY_EXISTS,
                                f"queue '{request.name}' already exists in vhost '{vh.name}'")

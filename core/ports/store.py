@@ -181,6 +181,14 @@ class MessageStore(Protocol):
         """Also deletes everything in it: exchanges, queues, bindings, messages, epochs."""
         ...
 
+    async def load_vhost_limits(self) -> dict[str, dict[str, int]]:
+        """RabbitMQ's vhost limits (max-connections, max-queues) of every vhost that has some."""
+        ...
+
+    async def save_vhost_limits(self, name: str, limits: dict[str, int]) -> None:
+        """Replace a vhost's limits ({} clears them); the vhost row is made if missing."""
+        ...
+
     # -- policies (set through the vhost, by the management API or ``leveret retention policy``) --
     async def load_policies(self) -> list[Policy]:
         """Every stored policy, user and operator, of every vhost (polled by a node each second)."""

@@ -288,7 +288,8 @@ def user_from_json(name: str, body: dict[str, Any], old: User | None) -> User:
     kwargs: dict[str, Any] = {"tags": tags, "vhosts": set(old.vhosts) if old else set(),
                               "loopback_only": old.loopback_only if old else False,
                               "permissions": dict(old.permissions) if old else {},
-                              "topic_permissions": dict(old.topic_permissions) if old else {}}
+                              "topic_permissions": dict(old.topic_permissions) if old else {},
+                              "limits": dict(old.limits) if old else {}}
     if "password" in body:
         if not isinstance(body["password"], str):
             raise bad_request("password must be a string")

@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING, Any
 
 from aiohttp import web
 
-from core.engine import access, publish
+from core.engine import access, limits, publish
 from core.engine.exchange import Exchange
 from core.engine.queue import Queue
 from core.engine.topic import topic_matches
@@ -161,6 +161,7 @@ async def queue_put(call: Call) -> web.Response:
     if _bool(body, "exclusive", False):
         raise bad_request("exclusive queues cannot be declared over HTTP")
     access.declare_queue(call.grants(vh), name, args)
+    limits.check_queue(vh.name, call.broker.vhost_limits.get(vh.name, {}), vh.queues, name)
     existed = name in vh.queues
     await declare.declare_queue(call.broker, vh, name, _bool(body, "durable", True),
                                 _bool(body, "auto_delete", False), args)

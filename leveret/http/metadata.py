@@ -54,7 +54,25 @@ async def save_vhost(node: NodeView, name: str) -> None:
         await node.store.save_vhost(name)
     cluster = node.cluster
     if cluster is not None:
-        await asyncio.wait_for(cluster.client.put(cluster.keys.vhost(name), b"{}"), ETCD_TIMEOUT)
+        from coordination.keys import dumps
+
+        limits = node.broker.vhost_limits.get(name, {})
+        await asyncio.wait_for(cluster.client.put(cluster.keys.vhost(name), dumps({"limits": limits})), ETCD_TIMEOUT)
+
+
+async def save_vhost_limits(node: NodeView, name: str, limits: dict[str, int]) -> None:
+    """Applied here at once; stored; in a cluster, etcd's vhost record carries them to every node."""
+    if limits:
+        node.broker.vhost_limits[name] = dict(limits)
+    else:
+        node.broker.vhost_limits.pop(name, None)
+    if node.store is not None:
+        await node.store.save_vhost_limits(name, limits)
+    cluster = node.cluster
+    if cluster is not None:
+        from coordination.keys import dumps
+
+        await asyncio.wait_for(cluster.client.put(cluster.keys.vhost(name), dumps({"limits": limits})), ETCD_TIMEOUT)
 
 
 async def delete_vhost(node: NodeView, name: str) -> None:

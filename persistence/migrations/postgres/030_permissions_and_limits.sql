@@ -2,3 +2,6 @@
 -- JSON {"vhosts": {vhost: [configure, write, read]}, "topics": {vhost: {exchange: [write, read]}}}.
 -- Users stored before have '{}': every vhost in their vhosts list with ".*" for all three.
 ALTER TABLE users ADD COLUMN permissions text NOT NULL DEFAULT '{}';
+-- RabbitMQ's vhost limits, JSON {"max-connections": N, "max-queues": N} (core/engine/limits.py);
+-- user limits travel in users.permissions under "limits".
+ALTER TABLE vhosts ADD COLUMN limits text NOT NULL DEFAULT '{}';
