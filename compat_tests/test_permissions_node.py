@@ -150,3 +150,17 @@ def test_password_change_applies_at_once(node: NodeProcess) -> None:
     # The permissions stayed with the user across the password change.
     assert m.get(f"/api/users/{name}/permissions")[0]["write"] == ".*"
     m.ok("DELETE", f"/api/users/{q(name)}")
+
+
+def test_grpc_streams_check_the_same_rules(node: NodeProcess) -> None:
+    from leveret.streams_client import StreamsClient
+
+    s = StreamsClient(f"127.0.0.1:{node.grpc_port}", username=USER, password=PASSWORD, vhost=VHOST)
+    try:
+        s.create_stream("mine.s")
+        s.publish("mine.s", b"m")  # a plain stream: a publish to the default exchange
+        assert "access to queue 'theirs.s'" in _denied(lambda: s.create_stream("theirs.s"))
+        _denied(lambda: s.commit("g", "theirs.q", 0))
+        s.delete_stream("mine.s")
+    finally:
+        s.close()
