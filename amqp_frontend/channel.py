@@ -564,10 +564,11 @@ class Channel:
         if m.passive:
             self._queue_declared(m, vhost.get_queue(self._queue_name(name), self.conn))
             return
-        # As RabbitMQ: a server-named queue gets its name first, and the check sees that name.
-        name = name or server_generated_name()
-        access.declare_queue(self.grants, name, m.arguments or {})
-        limits.check_queue(vhost.name, self.conn.broker.vhost_limits.get(vhost.name, {}), vhost.queues, name)
+        # As RabbitMQ, a server-named queue is checked under an amq.gen- name (the coordinator makes the
+        # queue's own, and only it may: a client's amq.* name is refused).
+        checked = name or server_generated_name()
+        access.declare_queue(self.grants, checked, m.arguments or {})
+        limits.check_queue(vhost.name, self.conn.broker.vhost_limits.get(vhost.name, {}), vhost.queues, checked)
         op = self.conn.broker.cluster.declare_queue(vhost, name, self.conn, m.durable, m.exclusive, m.auto_delete,
                                                     dict(m.arguments or {}))
         self._when(50, 10, op, lambda q: self._queue_declared(m, q))
