@@ -410,15 +410,18 @@ class PostgresStore:
     async def load_vhost_limits(self) -> dict[str, dict[str, int]]:
         with self._guard("loading vhost limits"):
             async with self._connection() as conn:
-                cur = await conn.execute("SELECT name, limits FROM vhosts WHERE limits != '{}' ORDER BY name")
+                cur = await conn.execute("SELECT vhost, limits FROM vhost_limits ORDER BY vhost")
                 return {str(name): json.loads(limits) for name, limits in await cur.fetchall()}
 
     async def save_vhost_limits(self, name: str, limits: dict[str, int]) -> None:
         with self._guard(f"saving the limits of vhost {name}"):
             async with self._connection() as conn:
-                await conn.execute("INSERT INTO vhosts (name, limits) VALUES (%s, %s)"
-                                   " ON CONFLICT (name) DO UPDATE SET limits = EXCLUDED.limits",
-                                   (name, json.dumps(limits)))
+                if limits:
+                    await conn.execute("INSERT INTO vhost_limits (vhost, limits) VALUES (%s, %s)"
+                                       " ON CONFLICT (vhost) DO UPDATE SET limits = EXCLUDED.limits",
+                                       (name, json.dumps(limits)))
+                else:
+                    await conn.execute("DELETE FROM vhost_limits WHERE vhost = %s", (name,))
 
     async def delete_vhost(self, name: str) -> bool:
         with self._guard(f"deleting vhost {name}"):

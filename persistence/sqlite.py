@@ -203,15 +203,20 @@ class SQLiteStore:
 
     async def load_vhost_limits(self) -> dict[str, dict[str, int]]:
         def load(db: sqlite3.Connection) -> dict[str, dict[str, int]]:
-            rows = db.execute("SELECT name, limits FROM vhosts WHERE limits != '{}' ORDER BY name")
+            rows = db.execute("SELECT vhost, limits FROM vhost_limits ORDER BY vhost")
             return {name: json.loads(limits) for name, limits in rows}
 
         return await self._run(load)
 
     async def save_vhost_limits(self, name: str, limits: dict[str, int]) -> None:
-        await self._run(lambda db: db.execute(
-            "INSERT INTO vhosts (name, limits) VALUES (?, ?) ON CONFLICT (name) DO UPDATE SET limits = excluded.limits",
-            (name, json.dumps(limits))))
+        def save(db: sqlite3.Connection) -> None:
+            if limits:
+                db.execute("INSERT OR REPLACE INTO vhost_limits (vhost, limits) VALUES (?, ?)",
+                           (name, json.dumps(limits)))
+            else:
+                db.execute("DELETE FROM vhost_limits WHERE vhost = ?", (name,))
+
+        await self._run(save)
 
     async def delete_vhost(self, name: str) -> bool:
         def delete(db: sqlite3.Connection) -> bool:

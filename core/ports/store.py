@@ -186,7 +186,7 @@ class MessageStore(Protocol):
         ...
 
     async def save_vhost_limits(self, name: str, limits: dict[str, int]) -> None:
-        """Replace a vhost's limits ({} clears them); the vhost row is made if missing."""
+        """Replace a vhost's limits ({} removes them)."""
         ...
 
     # -- policies (set through the vhost, by the management API or ``leveret retention policy``) --

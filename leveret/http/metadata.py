@@ -79,4 +79,5 @@ async def delete_vhost(node: NodeView, name: str) -> None:
     """The vhost's record goes from the store; in a cluster other nodes keep theirs until restarted."""
     node.broker.vhost_limits.pop(name, None)  # its limits go with it, as in RabbitMQ
     if node.store is not None:
+        await node.store.save_vhost_limits(name, {})
         await node.store.delete_vhost(name)
