@@ -380,3 +380,40 @@ def test_deleted_users_connections_are_closed(env: Env, connect: Callable[..., p
             conn.process_data_events(time_limit=0.2)
         och.queue_declare("all.after")
     assert_reply(info.value, 320, f"user '{other}' is deleted")
+
+
+# -- the management API checks the same rows, answering as RabbitMQ's does ------------------
+def test_management_api_checks_what_amqp_checks(env: Env) -> None:
+    other = _unique("perm-http")
+    env.mgmt.ok("PUT", f"/api/users/{q(other)}", {"password": PASSWORD, "tags": "management"})
+    env.set_permissions(other, CONFIGURE, WRITE, READ)
+    v = q(env.vhost)
+    try:
+        user = env.mgmt.as_user(other, PASSWORD)
+        assert user.request("PUT", f"/api/queues/{v}/cfg.h", {"durable": False}).status in (201, 204)
+        assert user.request("DELETE", f"/api/queues/{v}/cfg.h").status == 204
+        # RabbitMQ 3.10.8: 401 not_authorised "Access refused." for declare, delete, purge, bind.
+        for method, path, body in [
+            ("PUT", f"/api/queues/{v}/w.h", {"durable": False}),
+            ("DELETE", f"/api/queues/{v}/w.q", None),
+            ("DELETE", f"/api/queues/{v}/w.q/contents", None),
+            ("PUT", f"/api/exchanges/{v}/w.y", {"type": "direct"}),
+            ("DELETE", f"/api/exchanges/{v}/w.x", None),
+            ("POST", f"/api/bindings/{v}/e/w.x/q/w.q", {"routing_key": "k"}),
+            ("POST", f"/api/bindings/{v}/e/r.x/q/r.q", {"routing_key": "k"}),
+        ]:
+            r = user.request(method, path, body)
+            assert (r.status, r.body) == (401, {"error": "not_authorised", "reason": "Access refused."}), \
+                (method, path, r)
+        r = user.request("POST", f"/api/queues/{v}/w.q/get", {"count": 1, "ackmode": "ack_requeue_true",
+                                                            "encoding": "auto"})
+        assert r.status == 401 and r.body["reason"] == "ACCESS_REFUSED - " + refused(env, "queue", "w.q", other)
+        r = user.request("POST", f"/api/exchanges/{v}/r.x/publish", {"routing_key": "k", "payload": "m",
+                                                                    "payload_encoding": "string", "properties": {}})
+        assert r.status == 400 and r.body["reason"] == "403 ACCESS_REFUSED - " + refused(env, "exchange", "r.x",
+                                                                                          other)
+        r = user.request("POST", f"/api/exchanges/{v}/w.x/publish", {"routing_key": "k", "payload": "m",
+                                                                    "payload_encoding": "string", "properties": {}})
+        assert r.status == 200, r
+    finally:
+        env.mgmt.request("DELETE", f"/api/users/{q(other)}")

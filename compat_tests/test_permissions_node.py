@@ -1,5 +1,6 @@
-"""Permissions and limits on a Leveret node: the gRPC API and the management API check what AMQP
-checks (core/engine/access.py), and permissions, topic permissions and limits survive a restart."""
+"""Permissions and limits on a Leveret node: the gRPC API checks what AMQP checks (core/engine/access.py;
+the management API's checks are in test_permissions.py, which runs against RabbitMQ too), and
+permissions, topic permissions and limits survive a restart."""
 
 from __future__ import annotations
 
@@ -90,24 +91,6 @@ def test_grpc_push_needs_write_on_amq_default(node: NodeProcess) -> None:
     finally:
         m.ok("PUT", f"/api/permissions/{VHOST}/{USER}", {"configure": r"^mine\.",
                                                         "write": WRITE, "read": r"^mine\."})
-
-
-def test_management_api_checks_what_amqp_checks(node: NodeProcess) -> None:
-    user = _mgmt(node).as_user(USER, PASSWORD)
-    assert user.request("PUT", f"/api/queues/{VHOST}/mine.h", {"durable": False}).status in (201, 204)
-    r = user.request("PUT", f"/api/queues/{VHOST}/theirs.h", {"durable": False})
-    assert r.status == 403 and "access to queue 'theirs.h' in vhost 'pv' refused for user 'pu'" in r.body["reason"]
-    assert user.request("DELETE", f"/api/queues/{VHOST}/theirs.q").status == 403
-    assert user.request("DELETE", f"/api/queues/{VHOST}/theirs.q/contents").status == 403
-    assert user.request("POST", f"/api/queues/{VHOST}/theirs.q/get",
-                        {"count": 1, "ackmode": "ack_requeue_true", "encoding": "auto"}).status == 403
-    assert user.request("PUT", f"/api/exchanges/{VHOST}/theirs.y", {"type": "direct"}).status == 403
-    assert user.request("DELETE", f"/api/exchanges/{VHOST}/theirs.x").status == 403
-    assert user.request("POST", f"/api/exchanges/{VHOST}/theirs.x/publish",
-                        {"routing_key": "k", "payload": "m", "payload_encoding": "string",
-                         "properties": {}}).status == 403
-    assert user.request("POST", f"/api/bindings/{VHOST}/e/theirs.x/q/mine.h", {"routing_key": "k"}).status == 403
-    assert user.request("DELETE", f"/api/queues/{VHOST}/mine.h").status == 204
 
 
 def test_permissions_topic_permissions_and_limits_survive_a_restart(node: NodeProcess) -> None:
