@@ -127,3 +127,19 @@ def test_limits_api_refuses_what_rabbitmq_refuses(mgmt: Mgmt, vhost: str, user: 
         assert plain.request("PUT", f"/api/vhost-limits/{q(vhost)}/max-queues", {"value": 1}).status == 401
     finally:
         mgmt.request("DELETE", f"/api/users/{q(monitor)}")
+
+
+def test_definitions_carry_limits_as_rabbitmq_exports_them(mgmt: Mgmt, vhost: str, user: str) -> None:
+    """RabbitMQ 3.10.8 exports a user's limits on the user and a vhost's as a vhost-limits parameter."""
+    mgmt.ok("PUT", f"/api/vhost-limits/{q(vhost)}/max-queues", {"value": 7})
+    mgmt.ok("PUT", f"/api/user-limits/{q(user)}/max-channels", {"value": 4})
+    exported = mgmt.get("/api/definitions")
+    key, entry = next((k, u) for k in ("users", "leveret_users") for u in exported.get(k, []) if u["name"] == user)
+    assert entry["limits"] == {"max-channels": 4}
+    param = [p for p in exported["parameters"] if p["vhost"] == vhost and p["component"] == "vhost-limits"]
+    assert param == [{"vhost": vhost, "component": "vhost-limits", "name": "limits", "value": {"max-queues": 7}}]
+    mgmt.ok("DELETE", f"/api/vhost-limits/{q(vhost)}/max-queues")
+    mgmt.ok("DELETE", f"/api/user-limits/{q(user)}/max-channels")
+    mgmt.ok("POST", "/api/definitions", {key: [entry], "parameters": param})
+    assert mgmt.get(f"/api/vhost-limits/{q(vhost)}") == [{"vhost": vhost, "value": {"max-queues": 7}}]
+    assert mgmt.get(f"/api/user-limits/{q(user)}") == [{"user": user, "value": {"max-channels": 4}}]
