@@ -417,3 +417,8 @@ def test_management_api_checks_what_amqp_checks(env: Env) -> None:
         assert r.status == 200, r
     finally:
         env.mgmt.request("DELETE", f"/api/users/{q(other)}")
+
+
+def test_binding_the_default_exchange_is_refused_before_permissions(env: Env, ch: BlockingChannel) -> None:
+    with channel_error(403, "operation not permitted on the default exchange"):
+        ch.queue_bind("w.q", "", "k")
