@@ -666,10 +666,13 @@ class Connection:
             self._tune_ok(method)
         elif state is State.AWAIT_OPEN and isinstance(method, commands.Connection.Open):
             assert self.user is not None
-            vhost = self.broker.open_vhost(self.user, method.virtual_host)
-            user = self.broker.users.get(self.username, self.user)
-            self.broker.limits.check_connection(self.username, user.limits, vhost.name,
-                                                self.broker.vhost_limits.get(vhost.name, {}))
+            name = method.virtual_host
+            if name in self.broker.vhosts:
+                # RabbitMQ 3.10.8's order (checked): the limits before the vhost access check.
+                user = self.broker.users.get(self.username, self.user)
+                self.broker.limits.check_connection(self.username, user.limits, name,
+                                                    self.broker.vhost_limits.get(name, {}))
+            vhost = self.broker.open_vhost(self.user, name)
             self.vhost = vhost
             self.broker.limits.opened(self, self.username, vhost.name)
             self.state = State.OPEN

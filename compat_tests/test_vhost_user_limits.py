@@ -143,3 +143,20 @@ def test_definitions_carry_limits_as_rabbitmq_exports_them(mgmt: Mgmt, vhost: st
     mgmt.ok("POST", "/api/definitions", {key: [entry], "parameters": param})
     assert mgmt.get(f"/api/vhost-limits/{q(vhost)}") == [{"vhost": vhost, "value": {"max-queues": 7}}]
     assert mgmt.get(f"/api/user-limits/{q(user)}") == [{"user": user, "value": {"max-channels": 4}}]
+
+
+def test_limits_come_before_the_vhost_access_check(mgmt: Mgmt, vhost: str) -> None:
+    """RabbitMQ 3.10.8's order at connection.open: vhost limit, user limit, then the vhost access check."""
+    name = f"lim-none-{uuid.uuid4().hex[:6]}"
+    mgmt.ok("PUT", f"/api/users/{q(name)}", {"password": PASSWORD, "tags": ""})  # no permission in vhost
+    try:
+        mgmt.ok("PUT", f"/api/user-limits/{q(name)}/max-connections", {"value": 0})
+        mgmt.ok("PUT", f"/api/vhost-limits/{q(vhost)}/max-connections", {"value": 0})
+        assert "access to vhost" in refused_open(params(mgmt, vhost, name))
+        mgmt.ok("DELETE", f"/api/vhost-limits/{q(vhost)}/max-connections")
+        assert "user connection limit (0)" in refused_open(params(mgmt, vhost, name))
+        mgmt.ok("DELETE", f"/api/user-limits/{q(name)}/max-connections")
+        text = refused_open(params(mgmt, vhost, name))
+        assert f"access to vhost '{vhost}' refused for user '{name}'" in text and "limit" not in text
+    finally:
+        mgmt.request("DELETE", f"/api/users/{q(name)}")

@@ -56,13 +56,14 @@ class Tracker:
 
     def check_connection(self, user: str, user_limits: dict[str, int], vhost: str,
                          vhost_limits: dict[str, int]) -> None:
-        limit = _reached(user_limits, "max-connections", len(self.by_user.get(user, ())))
-        if limit is not None:
-            raise NotAllowed(f"connection refused for user '{user}': user connection limit ({limit}) is reached")
+        # The vhost's limit first, then the user's, as RabbitMQ 3.10.8 (checked).
         limit = _reached(vhost_limits, "max-connections", len(self.by_vhost.get(vhost, ())))
         if limit is not None:
             raise NotAllowed(f"access to vhost '{vhost}' refused for user '{user}': "
                              f"connection limit ({limit}) is reached")
+        limit = _reached(user_limits, "max-connections", len(self.by_user.get(user, ())))
+        if limit is not None:
+            raise NotAllowed(f"connection refused for user '{user}': user connection limit ({limit}) is reached")
 
     def opened(self, conn: Any, user: str, vhost: str) -> None:
         self.by_user.setdefault(user, set()).add(conn)
