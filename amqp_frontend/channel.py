@@ -17,10 +17,11 @@ from pamqp import commands
 from pamqp.base import Frame as Method
 
 from amqp_frontend import codec, stream_consumer
-from core.engine import direct_reply, publish
+from core.engine import access, direct_reply, limits, publish
 from core.engine.exchange import Exchange
 from core.engine.queue import Consumer, Queue, QueueChannel
 from core.engine.stream import StreamQueue
+from core.engine.vhost import server_generated_name
 from core.model import properties
 from core.model.errors import (
     AccessRefused,
@@ -53,6 +54,8 @@ class Channel:
         assert self.vhost is not None
         self.closing = False
         self.stats = conn.broker.stats
+        # This login's permission answers in this vhost (core/engine/access.py): a publish pays a dict lookup.
+        self.grants = conn.broker.access.grants(conn.username, self.vhost.name)
         # Content being assembled: (exchange, routing key, mandatory), props, body parts.
         self.publishing: tuple[str, str, bool] | None = None
         self.awaiting_header = False
@@ -250,6 +253,8 @@ class Channel:
             _check_expiration(summary.expiration)
         vhost = self.vhost
         assert vhost is not None
+        if not self.grants.write.get(exchange_name or access.DEFAULT_EXCHANGE, False):
+            access.publish(self.grants, exchange_name)  # as RabbitMQ: checked before the lookup
         exchange: Exchange | None
         if exchange_name == "" or exchange_name == "amq.default":
             exchange = None
@@ -261,6 +266,8 @@ class Channel:
                 raise AccessRefused(
                     f"cannot publish to internal exchange '{exchange_name}' in vhost '{vhost.name}'"
                 )
+            if exchange.type == "topic":
+                access.check_topic(self.grants, "write", exchange_name, routing_key)
         if summary.reply_to_direct:
             props = self._direct_reply_props(props)
         message = Message(exchange_name, routing_key, props, body, summary, conn.node_id)
@@ -507,6 +514,7 @@ class Channel:
             vhost.declare_exchange(m.exchange, m.exchange_type, passive=True)
             self._exchange_declared(m, None)
             return
+        access.declare_exchange(self.grants, m.exchange, m.arguments or {})
         op = self.conn.broker.cluster.declare_exchange(
             vhost, m.exchange, m.exchange_type, m.durable, m.auto_delete, m.internal, dict(m.arguments or {})
         )
@@ -518,23 +526,30 @@ class Channel:
 
     def _exchange_delete(self, m: commands.Exchange.Delete) -> None:
         assert self.vhost is not None
+        access.delete_exchange(self.grants, m.exchange)
         op = self.conn.broker.cluster.delete_exchange(self.vhost, m.exchange, m.if_unused)
         self._when(40, 20, op, lambda _: None if m.nowait else self._reply(commands.Exchange.DeleteOk()))
 
     def _bind(self, class_id: int, method_id: int, source: str, kind: str, dest: str, routing_key: str,
               arguments: dict[str, Any] | None, add: bool, reply: Method | None) -> None:
         assert self.vhost is not None
+        # The callers checked write/read on the names before looking them up, as RabbitMQ.
+        src = self.vhost.exchanges.get(source)
+        if src is not None and src.type == "topic":
+            access.check_topic(self.grants, "read", source, routing_key)
         op = self.conn.broker.cluster.bind(self.vhost, source, kind, dest, routing_key, dict(arguments or {}), add)
         self._when(class_id, method_id, op, lambda _: None if reply is None else self._reply(reply))
 
     def _exchange_bind(self, m: commands.Exchange.Bind) -> None:
         assert self.vhost is not None
+        access.bind(self.grants, m.source, "exchange", m.destination)  # before the lookups, as RabbitMQ
         dest = self.vhost.get_exchange(m.destination)
         self._bind(40, 30, m.source, "exchange", dest.name, m.routing_key, m.arguments, True,
                    None if m.nowait else commands.Exchange.BindOk())
 
     def _exchange_unbind(self, m: commands.Exchange.Unbind) -> None:
         assert self.vhost is not None
+        access.bind(self.grants, m.source, "exchange", m.destination)
         # Unbinding from or to what is gone succeeds, as in RabbitMQ.
         self._bind(40, 40, m.source, "exchange", m.destination, m.routing_key, m.arguments, False,
                    None if m.nowait else commands.Exchange.UnbindOk())
@@ -554,6 +569,11 @@ class Channel:
         if m.passive:
             self._queue_declared(m, vhost.get_queue(self._queue_name(name), self.conn))
             return
+        # As RabbitMQ, a server-named queue is checked under an amq.gen- name (the coordinator makes the
+        # queue's own, and only it may: a client's amq.* name is refused).
+        checked = name or server_generated_name()
+        access.declare_queue(self.grants, checked, m.arguments or {})
+        limits.check_queue(vhost.name, self.conn.broker.vhost_limits.get(vhost.name, {}), vhost.queues, checked)
         op = self.conn.broker.cluster.declare_queue(vhost, name, self.conn, m.durable, m.exclusive, m.auto_delete,
                                                     dict(m.arguments or {}))
         self._when(50, 10, op, lambda q: self._queue_declared(m, q))
@@ -573,12 +593,14 @@ class Channel:
         routing_key = m.routing_key
         if not m.queue and not routing_key:
             routing_key = self._queue_name("")
+        access.bind(self.grants, m.exchange, "queue", self._queue_name(m.queue))
         q = self._get_queue(m.queue)
         self._bind(50, 20, m.exchange, "queue", q.name, routing_key, m.arguments, True,
                    None if m.nowait else commands.Queue.BindOk())
 
     def _queue_unbind(self, m: commands.Queue.Unbind) -> None:
         assert self.vhost is not None
+        access.bind(self.grants, m.exchange, "queue", self._queue_name(m.queue))
         if self._queue_name(m.queue) not in self.vhost.queues:  # a missing queue unbinds fine, as in RabbitMQ
             self._reply(commands.Queue.UnbindOk())
             return
@@ -586,6 +608,7 @@ class Channel:
         self._bind(50, 50, m.exchange, "queue", q.name, m.routing_key, m.arguments, False, commands.Queue.UnbindOk())
 
     def _queue_purge(self, m: commands.Queue.Purge) -> None:
+        access.read_queue(self.grants, self._queue_name(m.queue))
         q = self._get_queue(m.queue)
         self._when(50, 30, self.conn.broker.cluster.purge(q), lambda count: None if m.nowait else self._reply(
             commands.Queue.PurgeOk(message_count=count)))
@@ -593,6 +616,7 @@ class Channel:
     def _queue_delete(self, m: commands.Queue.Delete) -> None:
         assert self.vhost is not None
         # Cancels of this channel's own consumers wait for delete-ok (see _deferred_cancels).
+        access.delete_queue(self.grants, self._queue_name(m.queue))
         self._deferred_cancels = []
         try:
             op = self.conn.broker.cluster.delete_queue(self.vhost, self._queue_name(m.queue), self.conn,
@@ -639,6 +663,7 @@ class Channel:
         if m.queue == direct_reply.PSEUDO_QUEUE:
             self._consume_replies(tag, m)
             return
+        access.read_queue(self.grants, self._queue_name(m.queue))
         q = self._get_queue(m.queue)
         if isinstance(q, StreamQueue):
             stream_consumer.consume(self, q, tag, m)
@@ -689,6 +714,7 @@ class Channel:
             self._reply(commands.Basic.CancelOk(consumer_tag=m.consumer_tag))
 
     def _basic_get(self, m: commands.Basic.Get) -> None:
+        access.read_queue(self.grants, self._queue_name(m.queue))
         q = self._get_queue(m.queue)
         stream_consumer.refuse_get(q)
         self._when(60, 70, self.conn.broker.cluster.get(q, m.no_ack),

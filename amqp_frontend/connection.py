@@ -592,6 +592,9 @@ class Connection:
                     f"number of channels opened ({len(self.channels)}) has reached the negotiated "
                     f"channel_max ({self.channel_max})"
                 )
+            user = self.broker.users.get(self.username)
+            if user is not None and user.limits:
+                self.broker.limits.check_channel(self.username, user.limits)  # max-channels (530)
             self._crossed.discard(number)
             self.channels[number] = Channel(self, number)
             self.broker.stats.channels_opened += 1
@@ -691,7 +694,15 @@ class Connection:
             self._tune_ok(method)
         elif state is State.AWAIT_OPEN and isinstance(method, commands.Connection.Open):
             assert self.user is not None
-            self.vhost = self.broker.open_vhost(self.user, method.virtual_host)
+            name = method.virtual_host
+            if name in self.broker.vhosts:
+                # RabbitMQ 3.10.8's order (checked): the limits before the vhost access check.
+                user = self.broker.users.get(self.username, self.user)
+                self.broker.limits.check_connection(self.username, user.limits, name,
+                                                    self.broker.vhost_limits.get(name, {}))
+            vhost = self.broker.open_vhost(self.user, name)
+            self.vhost = vhost
+            self.broker.limits.opened(self, self.username, vhost.name)
             self.state = State.OPEN
             self.send_method(0, commands.Connection.OpenOk())
             log.info(
@@ -835,6 +846,7 @@ class Connection:
         self.broker.stats.channels_closed += len(self.channels)
         self.channels.clear()
         if self.vhost is not None:
+            self.broker.limits.closed(self, self.username, self.vhost.name)
             self.vhost.drop_exclusive_queues(self)
         log.info("connection closed", extra={"peer": self._peer_text(), "reason": self.close_reason or "socket closed"})
 

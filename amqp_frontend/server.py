@@ -219,6 +219,16 @@ class AMQPServer:
         self._ticker: asyncio.Task[None] | None = None
         self.flow_paused: set[AMQPProtocol] = set()
         broker.flow_listeners.append(self._flow_changed)
+        broker.on_user_deleted.append(self._user_deleted)
+
+    def _user_deleted(self, name: str) -> None:
+        """A deleted user's connections close with 320 CONNECTION_FORCED, as RabbitMQ."""
+        for proto in list(self.connections):
+            conn = proto.conn
+            if conn is not None and conn.user is not None and conn.username == name:
+                log.info("closing a deleted user's connection", extra={"user": name})
+                conn.close(320, f"CONNECTION_FORCED - user '{name}' is deleted")
+                proto._flush()
 
     def _flow_changed(self, congested: bool) -> None:
         if congested:

@@ -445,11 +445,12 @@ class EtcdCluster:
             elif s == "vhosts":
                 if put:
                     self._vhost(key.parts[0])
+                    self._vhost_limits(key.parts[0], loads(value).get("limits"))
             elif s == "users":
                 if put:
                     self._user_put(key.parts[0], loads(value))
                 else:
-                    self.broker.users.pop(key.parts[0], None)
+                    self.broker.delete_user(key.parts[0])  # its connections here close too
             elif s == "exchanges":
                 self._exchange_event(key.parts[0], key.parts[1], loads(value) if put else None)
             elif s == "queues":
@@ -473,15 +474,24 @@ class EtcdCluster:
             vh.on_exchange_auto_deleted.append(self._local_exchange_auto_deleted)
         return vh
 
+    def _vhost_limits(self, name: str, limits: Any) -> None:
+        """RabbitMQ's vhost limits, carried by the vhost's record (leveret/http/metadata.py)."""
+        if isinstance(limits, dict) and limits:
+            self.broker.vhost_limits[name] = {str(k): int(v) for k, v in limits.items()}
+        else:
+            self.broker.vhost_limits.pop(name, None)
+
     def _user_put(self, name: str, value: dict[str, Any]) -> None:
         try:
             user = User(name, bytes.fromhex(value["salt"]), bytes.fromhex(value["hash"]),
                         tags=tuple(value.get("tags", ())), vhosts=set(value.get("vhosts", ())),
                         loopback_only=bool(value.get("loopback_only", False)))
-        except (KeyError, ValueError):
+            permissions = value.get("permissions")
+            user.load_grants(permissions if isinstance(permissions, dict) else {})
+        except (KeyError, ValueError, TypeError, AttributeError):
             log.warning("ignoring malformed user record in etcd", extra={"user": name})
             return
-        self.broker.users[name] = user
+        self.broker.put_user(user)
 
     def _node_event(self, node: str, value: dict[str, Any] | None) -> None:
         known = node in self.mirror.nodes

@@ -2,7 +2,7 @@
 
     /leveret/<cluster>/nodes/<node>                       {id, amqp, grpc, region, lease, queues}  on the node's lease
     /leveret/<cluster>/meta/vhosts/<vhost>                {}
-    /leveret/<cluster>/meta/users/<user>                  {salt, hash, tags, vhosts, loopback_only}
+    /leveret/<cluster>/meta/users/<user>                  {salt, hash, tags, vhosts, loopback_only, permissions}
     /leveret/<cluster>/meta/exchanges/<vhost>/<name>      {type, durable, auto_delete, internal, arguments}
     /leveret/<cluster>/meta/queues/<vhost>/<name>         {durable, exclusive, auto_delete, arguments, node}
     /leveret/<cluster>/meta/bindings/<vhost>/<source>/<kind>/<destination>/<digest>  {routing_key, arguments}
@@ -48,7 +48,8 @@ def dumps(value: dict[str, Any]) -> bytes:
 def user_value(user: Any) -> bytes:
     """A user's record under meta/users/ (a core.engine.broker.User: salted hash, never the password)."""
     return dumps({"salt": user.salt.hex(), "hash": user.password_hash.hex(), "tags": list(user.tags),
-                  "vhosts": sorted(user.vhosts), "loopback_only": user.loopback_only})
+                  "vhosts": sorted(user.vhosts), "loopback_only": user.loopback_only,
+                  "permissions": user.grants_record()})
 
 
 def loads(raw: bytes) -> dict[str, Any]:

@@ -148,6 +148,43 @@ def _connection_name(client: Client, wanted: str) -> str:
     return matches[0]
 
 
+def _json_object(text: str, what: str) -> dict[str, Any]:
+    try:
+        value = json.loads(text)
+    except ValueError as exc:
+        raise CtlError(f"{what} is not JSON: {exc}") from None
+    if not isinstance(value, dict):
+        raise CtlError(f"{what} must be a JSON object, e.g. '{{\"max-connections\": 10}}'")
+    return value
+
+
+def _limits(client: Client, args: argparse.Namespace) -> None:
+    """rabbitmqctl's set/clear/list_vhost_limits and set/clear/list_user_limits, one API call per limit."""
+    c, v = args.ctl_command, args.vhost
+    if c == "set_vhost_limits":
+        (text,) = _need(args, 1, "[-p VHOST] '{\"max-connections\": N, \"max-queues\": N}'")[:1]
+        for name, value in _json_object(text, "LIMITS").items():
+            client.call("PUT", f"vhost-limits/{q(v)}/{q(name)}", {"value": value})
+    elif c == "clear_vhost_limits":
+        for entry in client.call("GET", f"vhost-limits/{q(v)}"):
+            for name in entry["value"]:
+                client.call("DELETE", f"vhost-limits/{q(v)}/{q(name)}")
+    elif c == "list_vhost_limits":
+        print(json.dumps(client.call("GET", f"vhost-limits/{q(v)}")))
+    elif c == "set_user_limits":
+        user, text = _need(args, 2, "USER '{\"max-connections\": N, \"max-channels\": N}'")[:2]
+        for name, value in _json_object(text, "LIMITS").items():
+            client.call("PUT", f"user-limits/{q(user)}/{q(name)}", {"value": value})
+    elif c == "clear_user_limits":
+        user, which = _need(args, 2, "USER LIMIT_NAME|all")[:2]
+        names = ([n for e in client.call("GET", f"user-limits/{q(user)}") for n in e["value"]]
+                 if which == "all" else [which])
+        for name in names:
+            client.call("DELETE", f"user-limits/{q(user)}/{q(name)}")
+    else:
+        print(json.dumps(client.call("GET", f"user-limits/{q(args.rest[0])}" if args.rest else "user-limits")))
+
+
 def run_command(client: Client, args: argparse.Namespace) -> int:
     c, v = args.ctl_command, args.vhost
     if c in LISTS:
@@ -206,6 +243,9 @@ def run_command(client: Client, args: argparse.Namespace) -> int:
     elif c == "clear_policy":
         (name,) = _need(args, 1, "[-p VHOST] NAME")[:1]
         client.call("DELETE", f"policies/{q(v)}/{q(name)}")
+    elif c in ("set_vhost_limits", "clear_vhost_limits", "list_vhost_limits", "set_user_limits",
+               "clear_user_limits", "list_user_limits"):
+        _limits(client, args)
     elif c == "export_definitions":
         (path,) = _need(args, 1, "FILE (- for standard output)")[:1]
         data = json.dumps(client.call("GET", "definitions"), indent=2)
@@ -242,7 +282,9 @@ def run_command(client: Client, args: argparse.Namespace) -> int:
 
 COMMANDS = (*LISTS, "close_connection", "purge_queue", "delete_queue", "add_user", "delete_user",
             "change_password", "set_user_tags", "add_vhost", "delete_vhost", "set_permissions",
-            "clear_permissions", "set_topic_permissions", "set_policy", "clear_policy", "export_definitions",
+            "clear_permissions", "set_topic_permissions", "set_vhost_limits", "clear_vhost_limits",
+            "list_vhost_limits", "set_user_limits", "clear_user_limits", "list_user_limits", "set_policy",
+            "clear_policy", "export_definitions",
             "import_definitions", "status", "cluster_status")
 
 

@@ -97,7 +97,8 @@ class Node:
         try:
             if self.store is not None:
                 await self.store.save_user(UserRecord(user.name, user.salt, user.password_hash, list(user.tags),
-                                                      sorted(user.vhosts), user.loopback_only))
+                                                      sorted(user.vhosts), user.loopback_only,
+                                                      user.grants_record()))
             if self.cluster is not None:
                 from coordination.keys import user_value
 

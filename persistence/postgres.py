@@ -338,24 +338,26 @@ class PostgresStore:
         with self._guard("loading users"):
             async with self._connection() as conn:
                 cur = await conn.execute(
-                    "SELECT name, salt, password_hash, tags, vhosts, loopback_only FROM users ORDER BY name"
+                    "SELECT name, salt, password_hash, tags, vhosts, loopback_only, permissions"
+                    " FROM users ORDER BY name"
                 )
                 rows = await cur.fetchall()
         return [
-            UserRecord(name, bytes(salt), bytes(digest), json.loads(tags), json.loads(vhosts), bool(loopback))
-            for name, salt, digest, tags, vhosts, loopback in rows
+            UserRecord(name, bytes(salt), bytes(digest), json.loads(tags), json.loads(vhosts), bool(loopback),
+                       json.loads(perms))
+            for name, salt, digest, tags, vhosts, loopback, perms in rows
         ]
 
     async def save_user(self, record: UserRecord) -> None:
         with self._guard(f"saving user {record.name}"):
             async with self._connection() as conn:
                 await conn.execute(
-                    "INSERT INTO users (name, salt, password_hash, tags, vhosts, loopback_only)"
-                    " VALUES (%s, %s, %s, %s, %s, %s) ON CONFLICT (name) DO UPDATE SET salt = EXCLUDED.salt,"
+                    "INSERT INTO users (name, salt, password_hash, tags, vhosts, loopback_only, permissions)"
+                    " VALUES (%s, %s, %s, %s, %s, %s, %s) ON CONFLICT (name) DO UPDATE SET salt = EXCLUDED.salt,"
                     " password_hash = EXCLUDED.password_hash, tags = EXCLUDED.tags, vhosts = EXCLUDED.vhosts,"
-                    " loopback_only = EXCLUDED.loopback_only",
+                    " loopback_only = EXCLUDED.loopback_only, permissions = EXCLUDED.permissions",
                     (record.name, record.salt, record.password_hash, json.dumps(record.tags),
-                     json.dumps(record.vhosts), record.loopback_only),
+                     json.dumps(record.vhosts), record.loopback_only, json.dumps(record.permissions)),
                 )  # fmt: skip
 
     async def delete_user(self, name: str) -> bool:
@@ -404,6 +406,22 @@ class PostgresStore:
         with self._guard(f"saving vhost {name}"):
             async with self._connection() as conn:
                 await conn.execute("INSERT INTO vhosts (name) VALUES (%s) ON CONFLICT (name) DO NOTHING", (name,))
+
+    async def load_vhost_limits(self) -> dict[str, dict[str, int]]:
+        with self._guard("loading vhost limits"):
+            async with self._connection() as conn:
+                cur = await conn.execute("SELECT vhost, limits FROM vhost_limits ORDER BY vhost")
+                return {str(name): json.loads(limits) for name, limits in await cur.fetchall()}
+
+    async def save_vhost_limits(self, name: str, limits: dict[str, int]) -> None:
+        with self._guard(f"saving the limits of vhost {name}"):
+            async with self._connection() as conn:
+                if limits:
+                    await conn.execute("INSERT INTO vhost_limits (vhost, limits) VALUES (%s, %s)"
+                                       " ON CONFLICT (vhost) DO UPDATE SET limits = EXCLUDED.limits",
+                                       (name, json.dumps(limits)))
+                else:
+                    await conn.execute("DELETE FROM vhost_limits WHERE vhost = %s", (name,))
 
     async def delete_vhost(self, name: str) -> bool:
         with self._guard(f"deleting vhost {name}"):

@@ -145,9 +145,11 @@ class SQLiteStore:
     async def load_users(self) -> list[UserRecord]:
         def load(db: sqlite3.Connection) -> list[UserRecord]:
             return [
-                UserRecord(name, bytes(salt), bytes(digest), json.loads(tags), json.loads(vhosts), bool(loopback))
-                for name, salt, digest, tags, vhosts, loopback in db.execute(
-                    "SELECT name, salt, password_hash, tags, vhosts, loopback_only FROM users ORDER BY name"
+                UserRecord(name, bytes(salt), bytes(digest), json.loads(tags), json.loads(vhosts), bool(loopback),
+                           json.loads(perms))
+                for name, salt, digest, tags, vhosts, loopback, perms in db.execute(
+                    "SELECT name, salt, password_hash, tags, vhosts, loopback_only, permissions"
+                    " FROM users ORDER BY name"
                 )
             ]
 
@@ -156,10 +158,10 @@ class SQLiteStore:
     async def save_user(self, record: UserRecord) -> None:
         await self._run(
             lambda db: db.execute(
-                "INSERT OR REPLACE INTO users (name, salt, password_hash, tags, vhosts, loopback_only)"
-                " VALUES (?, ?, ?, ?, ?, ?)",
+                "INSERT OR REPLACE INTO users (name, salt, password_hash, tags, vhosts, loopback_only, permissions)"
+                " VALUES (?, ?, ?, ?, ?, ?, ?)",
                 (record.name, record.salt, record.password_hash, json.dumps(record.tags), json.dumps(record.vhosts),
-                 int(record.loopback_only)),
+                 int(record.loopback_only), json.dumps(record.permissions)),
             )
         )
 
@@ -198,6 +200,23 @@ class SQLiteStore:
 
     async def save_vhost(self, name: str) -> None:
         await self._run(lambda db: db.execute("INSERT OR IGNORE INTO vhosts (name) VALUES (?)", (name,)))
+
+    async def load_vhost_limits(self) -> dict[str, dict[str, int]]:
+        def load(db: sqlite3.Connection) -> dict[str, dict[str, int]]:
+            rows = db.execute("SELECT vhost, limits FROM vhost_limits ORDER BY vhost")
+            return {name: json.loads(limits) for name, limits in rows}
+
+        return await self._run(load)
+
+    async def save_vhost_limits(self, name: str, limits: dict[str, int]) -> None:
+        def save(db: sqlite3.Connection) -> None:
+            if limits:
+                db.execute("INSERT OR REPLACE INTO vhost_limits (vhost, limits) VALUES (?, ?)",
+                           (name, json.dumps(limits)))
+            else:
+                db.execute("DELETE FROM vhost_limits WHERE vhost = ?", (name,))
+
+        await self._run(save)
 
     async def delete_vhost(self, name: str) -> bool:
         def delete(db: sqlite3.Connection) -> bool:

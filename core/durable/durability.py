@@ -203,9 +203,11 @@ class Durability:
 
         for name in await self.store.load_vhosts():
             broker.add_vhost(name)
+        broker.vhost_limits.update(await self.store.load_vhost_limits())
         for r in await self.store.load_users():
-            broker.users[r.name] = User(r.name, r.salt, r.password_hash, tuple(r.tags), set(r.vhosts),
-                                        r.loopback_only)  # fmt: skip
+            user = User(r.name, r.salt, r.password_hash, tuple(r.tags), set(r.vhosts), r.loopback_only)
+            user.load_grants(r.permissions)
+            broker.put_user(user)
 
     async def restore_policies(self, broker: Broker) -> None:
         """Stored policies onto their vhosts (a policy of a vhost that is gone stays stored, unused)."""

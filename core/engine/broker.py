@@ -6,9 +6,10 @@ import base64
 import hashlib
 import ipaddress
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
-from core.engine import passwords
+from core.engine import limits, passwords
+from core.engine.access import AccessTable
 from core.engine.alarms import DISK, MEMORY, Alarms
 from core.engine.direct_reply import ReplyRegistry
 from core.engine.login_throttle import LoginThrottle
@@ -53,6 +54,8 @@ class User:
     # here has ".*" for all three); topic permissions: vhost -> exchange -> (write, read).
     permissions: dict[str, Permission] = field(default_factory=dict)
     topic_permissions: dict[str, dict[str, tuple[str, str]]] = field(default_factory=dict)
+    # RabbitMQ's user limits: max-connections, max-channels (core/engine/limits.py).
+    limits: dict[str, int] = field(default_factory=dict)
 
     @classmethod
     def create(cls, name: str, password: str, **kwargs: object) -> User:
@@ -80,6 +83,25 @@ class User:
 
     def check_password(self, password: str) -> bool:
         return passwords.verify(self.salt, self.password_hash, password)[0]
+
+    def grants_record(self) -> dict[str, Any]:
+        """The permission regexes as stored (users.permissions, etcd's user record)."""
+        return {"vhosts": {v: [p.configure, p.write, p.read] for v, p in sorted(self.permissions.items())},
+                "topics": {v: {x: [w, r] for x, (w, r) in sorted(per.items())}
+                           for v, per in sorted(self.topic_permissions.items()) if per},
+                "limits": dict(sorted(self.limits.items()))}
+
+    def load_grants(self, record: dict[str, Any]) -> None:
+        """Back from ``grants_record`` (a record without it, from before permissions were kept: ".*")."""
+        vhosts = record.get("vhosts") or {}
+        topics = record.get("topics") or {}
+        self.permissions = {str(v): Permission(*(str(x) for x in p[:3])) for v, p in vhosts.items()
+                            if isinstance(p, list) and len(p) == 3}
+        self.topic_permissions = {str(v): {str(x): (str(wr[0]), str(wr[1])) for x, wr in per.items()
+                                           if isinstance(wr, list) and len(wr) == 2}
+                                  for v, per in topics.items() if isinstance(per, dict)}
+        user_limits = record.get("limits") or {}
+        self.limits = {str(k): int(n) for k, n in user_limits.items() if k in limits.USER_LIMITS}
 
     def permission(self, vhost: str) -> Permission | None:
         if vhost not in self.vhosts:
@@ -130,6 +152,13 @@ class Broker:
         self.on_user_rehashed: list[Callable[[User], None]] = []
         # Persists policies set through a vhost (core.durable.Durability.policy_changed): (policy, cleared).
         self.policy_writer: Callable[[Policy, bool], None] | None = None
+        # Permission answers per (user, vhost), emptied when a user changes (core/engine/access.py).
+        self.access = AccessTable(self)
+        # Told when a user is deleted: the front ends close its connections (320, as RabbitMQ).
+        self.on_user_deleted: list[Callable[[str], None]] = []
+        # Vhost limits (vhost -> max-connections/max-queues) and the open connections they count.
+        self.vhost_limits: dict[str, dict[str, int]] = {}
+        self.limits = limits.Tracker()
         self.add_vhost("/")
         if default_user is not None:
             name, password = default_user
@@ -186,8 +215,26 @@ class Broker:
         loopback_only: bool = False,
     ) -> User:
         user = User.create(name, password, tags=tags, vhosts=set(vhosts or ()), loopback_only=loopback_only)
-        self.users[name] = user
+        self.put_user(user)
         return user
+
+    def put_user(self, user: User) -> None:
+        """Add or replace a user (new password, tags, permissions): applies to open connections at once."""
+        self.users[user.name] = user
+        self.access.user_changed(user.name)
+
+    def user_changed(self, name: str) -> None:
+        """A user's permissions were changed in place."""
+        self.access.user_changed(name)
+
+    def delete_user(self, name: str) -> bool:
+        """Remove a user; its open connections are closed by the front ends' listeners."""
+        found = self.users.pop(name, None) is not None
+        self.access.user_changed(name)
+        if found:
+            for listener in list(self.on_user_deleted):
+                listener(name)
+        return found
 
     def authenticate(self, username: str, password: str, peer_host: str | None) -> User:
         """The user, or AccessRefused; a failure counts against ``peer_host`` (``login_throttle``)."""

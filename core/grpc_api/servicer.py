@@ -24,7 +24,7 @@ from typing import Any
 import grpc
 
 from core.cluster.forwarding import released
-from core.engine import flow, publish
+from core.engine import access, flow, limits, publish
 from core.engine.broker import Broker, User
 from core.engine.publish import Outcome
 from core.engine.queue import Consumer, Queue, QueueChannel
@@ -336,6 +336,12 @@ class BrokerServicer(pb_grpc.BrokerServicer):
         vh = self.broker.open_vhost(user, str(vhost))
         return user, vh
 
+    def _grants(self, user: User, vh: VirtualHost) -> access.Grants:
+        """The AMQP permission checks (core/engine/access.py), mapped: CreateQueue, DeleteQueue,
+        CreateChannel and DeleteChannel are configure on the queue; Push and PushBatch are a
+        publish to the default exchange (write on ``amq.default``); Subscribe is read on the queue."""
+        return self.broker.access.grants(user.name, vh.name)
+
     @staticmethod
     def _queue(vh: VirtualHost, name: str) -> Queue:
         if not name:
@@ -386,9 +392,11 @@ class BrokerServicer(pb_grpc.BrokerServicer):
     # -- queues ------------------------------------------------------------------
     async def CreateQueue(self, request: pb.CreateQueueRequest, context: Any) -> pb.QueueInfo:
         async with _errors(context):
-            _, vh = self._login(context)
+            user, vh = self._login(context)
             if not request.name:
                 raise ApiError(grpc.StatusCode.INVALID_ARGUMENT, "a queue name is required")
+            access.check(self._grants(user, vh), "configure", "queue", request.name)
+            limits.check_queue(vh.name, self.broker.vhost_limits.get(vh.name, {}), vh.queues, request.name)
             if request.name in vh.queues and not request.exist_ok:
                 raise ApiError(grpc.StatusCode.ALREADY_EXISTS,
                                f"queue '{request.name}' already exists in vhost '{vh.name}'")
@@ -404,7 +412,8 @@ class BrokerServicer(pb_grpc.BrokerServicer):
 
     async def DeleteQueue(self, request: pb.DeleteQueueRequest, context: Any) -> pb.DeleteQueueResponse:
         async with _errors(context):
-            _, vh = self._login(context)
+            user, vh = self._login(context)
+            access.check(self._grants(user, vh), "configure", "queue", request.name)
             self._queue(vh, request.name)  # NOT_FOUND for a missing queue, unlike AMQP
             n = await self.broker.cluster.delete_queue(vh, request.name, GRPC_OWNER, request.if_unused,
                                                        request.if_empty)
@@ -420,7 +429,8 @@ class BrokerServicer(pb_grpc.BrokerServicer):
     # -- channels ----------------------------------------------------------------
     async def CreateChannel(self, request: pb.CreateChannelRequest, context: Any) -> pb.ChannelInfo:
         async with _errors(context):
-            _, vh = self._login(context)
+            user, vh = self._login(context)
+            access.check(self._grants(user, vh), "configure", "queue", request.queue)
             q = self._not_stream(self._queue(vh, request.queue))
             name = request.name or f"ch-{next(self._channel_names)}-{os.urandom(3).hex()}"
             if "/" in name:
@@ -436,8 +446,9 @@ class BrokerServicer(pb_grpc.BrokerServicer):
 
     async def DeleteChannel(self, request: pb.DeleteChannelRequest, context: Any) -> pb.DeleteChannelResponse:
         async with _errors(context):
-            _, vh = self._login(context)
+            user, vh = self._login(context)
             ch = self._channel(vh, request.id)
+            access.check(self._grants(user, vh), "configure", "queue", ch.queue.name)
             if ch is ch.queue.default:
                 raise ApiError(grpc.StatusCode.FAILED_PRECONDITION,
                                "the default channel goes with its queue (DeleteQueue)")
@@ -487,6 +498,7 @@ class BrokerServicer(pb_grpc.BrokerServicer):
     async def Push(self, request: pb.PushRequest, context: Any) -> pb.PushResponse:
         async with _errors(context):
             user, vh = self._login(context)
+            access.publish(self._grants(user, vh), "")
             q = self._queue(vh, request.queue)
             # A resource alarm (memory, disk) holds pushes as it blocks AMQP publishers.
             await self.broker.alarms.wait_clear()
@@ -505,6 +517,7 @@ class BrokerServicer(pb_grpc.BrokerServicer):
     async def PushBatch(self, request: pb.PushBatchRequest, context: Any) -> pb.PushBatchResponse:
         async with _errors(context):
             user, vh = self._login(context)
+            access.publish(self._grants(user, vh), "")
             q = self._queue(vh, request.queue)
             response = pb.PushBatchResponse()
             add = response.results.add
@@ -545,6 +558,7 @@ class BrokerServicer(pb_grpc.BrokerServicer):
             async with _errors(context):
                 user, vh = self._login(context)
                 qch = self._channel(vh, request.channel_id)
+                access.read_queue(self._grants(user, vh), qch.queue.name)
                 if qch is not qch.queue.default:
                     self._owned_here(qch.queue, "subscribe to channels other than the default one")
                 sub = Subscription(

@@ -34,7 +34,7 @@ import grpc
 
 from core.cluster.forwarding import PeerLink
 from core.cluster.stream_proxy import RemoteStreamReader, reachable, until_reachable
-from core.engine import partition, publish
+from core.engine import access, partition, publish
 from core.engine.queue import Consumer, Queue, QueueChannel
 from core.engine.stream import StreamQueue, StreamReader
 from core.engine.stream_args import FIRST, LAST, NEXT, OffsetSpec, parse_age, reader_arguments
@@ -201,10 +201,13 @@ class StreamsServicer(pb_grpc.StreamsServicer):
 
     async def CreateStream(self, request: pb.CreateStreamRequest, context: Any) -> pb.StreamInfo:
         async with _errors(context):
-            _, vh = self.api._login(context)
+            user, vh = self.api._login(context)
             name = request.name
             if not name:
                 raise ApiError(grpc.StatusCode.INVALID_ARGUMENT, "a stream name is required")
+            # A stream is a queue; a partitioned one an exchange too: configure on what is made.
+            grants = self.api._grants(user, vh)
+            access.check(grants, "configure", "exchange" if request.partitions else "queue", name)
             if request.max_age and parse_age(request.max_age) is None:
                 raise ApiError(grpc.StatusCode.INVALID_ARGUMENT,
                                f"max_age {request.max_age!r}: use a number and a unit Y, M, D, h, m or s, e.g. '7D'")
@@ -229,7 +232,9 @@ class StreamsServicer(pb_grpc.StreamsServicer):
 
     async def DeleteStream(self, request: pb.DeleteStreamRequest, context: Any) -> pb.DeleteStreamResponse:
         async with _errors(context):
-            _, vh = self.api._login(context)
+            user, vh = self.api._login(context)
+            kind = "exchange" if partition.exchange_of(vh, request.name) is not None else "queue"
+            access.check(self.api._grants(user, vh), "configure", kind, request.name)
             dropped = await partition.remove(self.api.broker.cluster, vh, request.name)
             return pb.DeleteStreamResponse(messages_dropped=dropped)
         raise AssertionError("unreachable")
@@ -240,6 +245,8 @@ class StreamsServicer(pb_grpc.StreamsServicer):
             topic = request.topic
             props, summary = message_properties(user, request.properties, True)
             x = partition.exchange_of(vh, topic)
+            # As AMQP: a partitioned stream is a publish to its exchange, a plain one to the default exchange.
+            access.publish(self.api._grants(user, vh), topic if x is not None else "")
             node = self.api.broker.node_id
             q: Queue
             if x is not None:
@@ -266,9 +273,10 @@ class StreamsServicer(pb_grpc.StreamsServicer):
 
     async def CommitOffset(self, request: pb.CommitOffsetRequest, context: Any) -> pb.CommitOffsetResponse:
         async with _errors(context):
-            _, vh = self.api._login(context)
+            user, vh = self.api._login(context)
             if not request.group:
                 raise ApiError(grpc.StatusCode.INVALID_ARGUMENT, "a group name is required")
+            access.read_queue(self.api._grants(user, vh), request.stream)
             q = self._stream(vh, request.stream)
             link = await _owner_link(q)
             if link is not None:
@@ -289,7 +297,8 @@ class StreamsServicer(pb_grpc.StreamsServicer):
         sub: StreamSubscription | None = None
         try:
             async with _errors(context):
-                _, vh = self.api._login(context)
+                user, vh = self.api._login(context)
+                grants = self.api._grants(user, vh)
                 if not request.offsets:
                     raise ApiError(grpc.StatusCode.INVALID_ARGUMENT, "name at least one topic in offsets")
                 sub = StreamSubscription(request.prefetch or DEFAULT_PREFETCH, request.max_batch or DEFAULT_BATCH)
@@ -298,6 +307,7 @@ class StreamsServicer(pb_grpc.StreamsServicer):
                 for topic, value in sorted(request.offsets.items()):
                     spec = offset_spec(value, request.from_timestamp_ms)
                     for q in partition.resolve(vh, topic):
+                        access.read_queue(grants, q.name)
                         reader: StreamReader | RemoteStreamReader
                         link = await _owner_link(q)
                         if link is not None:  # another node owns it: its reader runs there

@@ -73,6 +73,9 @@ class UserRecord:
     tags: list[str] = field(default_factory=list)
     vhosts: list[str] = field(default_factory=list)  # the vhosts the user may open
     loopback_only: bool = False
+    # The permission regexes: {"vhosts": {vhost: [configure, write, read]},
+    # "topics": {vhost: {exchange: [write, read]}}} (core.engine.broker.User.grants_record).
+    permissions: dict[str, Any] = field(default_factory=dict)
 
 
 @dataclass
@@ -176,6 +179,14 @@ class MessageStore(Protocol):
 
     async def delete_vhost(self, name: str) -> bool:
         """Also deletes everything in it: exchanges, queues, bindings, messages, epochs."""
+        ...
+
+    async def load_vhost_limits(self) -> dict[str, dict[str, int]]:
+        """RabbitMQ's vhost limits (max-connections, max-queues) of every vhost that has some."""
+        ...
+
+    async def save_vhost_limits(self, name: str, limits: dict[str, int]) -> None:
+        """Replace a vhost's limits ({} removes them)."""
         ...
 
     # -- policies (set through the vhost, by the management API or ``leveret retention policy``) --

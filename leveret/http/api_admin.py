@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING, Any
 
 from aiohttp import web
 
+from core.engine import limits
 from core.engine.broker import RABBIT_SHA256, Permission, User
 from core.engine.stats import QUEUE_FIELDS, queue_counters
 from core.model.policy import Policy, PolicyError
@@ -282,13 +283,24 @@ async def user_get(call: Call) -> dict[str, Any]:
 USER_FIELDS = frozenset({"name", "password", "password_hash", "hashing_algorithm", "tags", "limits"})
 
 
+def _user_limits(body: dict[str, Any], old: User | None) -> dict[str, int]:
+    """A definitions file's user "limits" (RabbitMQ exports them there); without it the old ones stay."""
+    if "limits" not in body:
+        return dict(old.limits) if old else {}
+    try:
+        return limits.parse("user-limits", body["limits"] or {}, limits.USER_LIMITS)
+    except ValueError as exc:
+        raise bad_request(str(exc)) from None
+
+
 def user_from_json(name: str, body: dict[str, Any], old: User | None) -> User:
     """A user from a PUT body or a definitions file entry (400 for what cannot be used)."""
     tags = _tags(body.get("tags"), "tags")
     kwargs: dict[str, Any] = {"tags": tags, "vhosts": set(old.vhosts) if old else set(),
                               "loopback_only": old.loopback_only if old else False,
                               "permissions": dict(old.permissions) if old else {},
-                              "topic_permissions": dict(old.topic_permissions) if old else {}}
+                              "topic_permissions": dict(old.topic_permissions) if old else {},
+                              "limits": _user_limits(body, old)}
     if "password" in body:
         if not isinstance(body["password"], str):
             raise bad_request("password must be a string")
@@ -450,12 +462,14 @@ async def topic_permission_put(call: Call) -> web.Response:
     per = user.topic_permissions.setdefault(vh.name, {})
     existed = exchange in per
     per[exchange] = (write, read)
+    await save_user(call, user)  # stored, and open connections see it at once
     return created(existed)
 
 
 async def topic_permission_delete(call: Call) -> web.Response:
     vh, user = call.vhost(), _user(call)
     user.topic_permissions.pop(vh.name, None)
+    await save_user(call, user)
     return no_content()
 
 

@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING, Any
 
 from aiohttp import web
 
+from core.engine import limits
 from core.engine.broker import Permission, User
 from core.engine.vhost import VirtualHost
 from core.model.errors import BrokerError
@@ -80,6 +81,9 @@ async def export(call: Call) -> Any:
         out["global_parameters"] = [{"name": "cluster_name", "value": call.node.config.cluster}]
     out["parameters"] = [{"vhost": vh.name, "component": c, "name": n, "value": v}
                          for vh in vhosts for (c, n), v in vh.parameters.items()]
+    # RabbitMQ exports vhost limits as this parameter (checked with 3.10.8).
+    out["parameters"] += [{"vhost": vh.name, "component": "vhost-limits", "name": "limits", "value": dict(lim)}
+                          for vh in vhosts for lim in (call.broker.vhost_limits.get(vh.name),) if lim]
     out["policies"] = [p.as_rabbitmq() for vh in vhosts for p in vh.policies.values()]
     out["queues"] = [{"name": q.name, "vhost": vh.name, "durable": q.durable, "auto_delete": q.auto_delete,
                       "arguments": jsonable(q.arguments)}
@@ -98,6 +102,13 @@ async def export(call: Call) -> Any:
                 for item in items:
                     item.pop("vhost", None)
     return out
+
+
+def _vhost_limits(value: Any) -> dict[str, int]:
+    try:
+        return limits.parse("limits", value, limits.VHOST_LIMITS)
+    except ValueError as exc:
+        raise bad_request(str(exc)) from None
 
 
 def _list(data: dict[str, Any], key: str) -> list[dict[str, Any]]:
@@ -163,7 +174,8 @@ def plan_import(call: Call, data: dict[str, Any], only_vhost: str | None) -> Pla
         users: dict[str, User] = {}
         for item in _list(data, "users") + _list(data, "leveret_users"):
             name = _str(item, "name", "user")
-            body = {k: v for k, v in item.items() if k in ("password", "password_hash", "hashing_algorithm", "tags")}
+            body = {k: v for k, v in item.items()
+                    if k in ("password", "password_hash", "hashing_algorithm", "tags", "limits")}
             if "password_hash" not in body and "password" not in body:
                 raise bad_request(f"user '{name}': password_hash is required")
             users[name] = user_from_json(name, body, broker.users.get(name))
@@ -198,8 +210,9 @@ def plan_import(call: Call, data: dict[str, Any], only_vhost: str | None) -> Pla
         plan.policies.append(policy_from_json(vhost, _str(item, "name", "policy"), item))
     for item in _list(data, "parameters"):
         vhost = vhost_of(item, "parameter")
-        plan.parameters.append((vhost, _str(item, "component", "parameter"), _str(item, "name", "parameter"),
-                                item.get("value")))
+        component = _str(item, "component", "parameter")
+        value = _vhost_limits(item.get("value")) if component == "vhost-limits" else item.get("value")
+        plan.parameters.append((vhost, component, _str(item, "name", "parameter"), value))
     for item in _list(data, "exchanges"):
         name = _str(item, "name", "exchange")
         what = f"exchange '{name}'"
@@ -278,7 +291,7 @@ async def apply_plan(call: Call, plan: Plan) -> None:
             await metadata.save_vhost(call.node, name)
     changed: dict[str, User] = {u.name: u for u in plan.users}
     for user in plan.users:
-        broker.users[user.name] = user
+        broker.put_user(user)
     for user_name, vhost, perm in plan.permissions:
         user = broker.users[user_name]
         user.vhosts.add(vhost)
@@ -286,11 +299,15 @@ async def apply_plan(call: Call, plan: Plan) -> None:
         changed[user.name] = user
     for user_name, vhost, exchange, write, read in plan.topic_permissions:
         broker.users[user_name].topic_permissions.setdefault(vhost, {})[exchange] = (write, read)
+        changed[user_name] = broker.users[user_name]
     for user in changed.values():
         await save_user(call, user)
     for policy in plan.policies:
         broker.vhosts[policy.vhost].set_policy(policy)
     for vhost, component, name, value in plan.parameters:
+        if component == "vhost-limits":  # RabbitMQ's form of vhost limits (core/engine/limits.py)
+            await metadata.save_vhost_limits(call.node, vhost, value)
+            continue
         broker.vhosts[vhost].parameters[(component, name)] = value
     for vhost, name, type_, durable, auto_delete, internal, args in plan.exchanges:
         await declare.declare_exchange(broker, broker.vhosts[vhost], name, type_, durable, auto_delete, internal,

@@ -21,10 +21,11 @@ from typing import Any
 
 from aiohttp import web
 
+from core.engine.access import Grants
 from core.engine.broker import User
 from core.engine.vhost import VirtualHost
 from core.model.errors import AccessRefused, BrokerError, NotFound
-from leveret.http import api_admin, api_conns, api_retention, api_topology, console, definitions
+from leveret.http import api_admin, api_conns, api_limits, api_retention, api_topology, console, definitions
 from leveret.http.context import NodeView
 from leveret.http.errors import HttpError, bad_request, not_authorised, not_found
 from leveret.http.rates import RateSampler
@@ -77,6 +78,10 @@ class Call:
             raise not_authorised(f"access to vhost '{name}' refused for user '{self.user.name}'")
         return vh
 
+    def grants(self, vh: VirtualHost) -> Grants:
+        """This user's permission answers in ``vh``: the management API checks what AMQP checks."""
+        return self.broker.access.grants(self.user.name, vh.name)
+
     async def body(self, allowed: frozenset[str] | None = None) -> dict[str, Any]:
         """The JSON object sent; 400 for malformed JSON, a non-object, or a field not in ``allowed``."""
         raw = await self.request.read()
@@ -101,7 +106,7 @@ class ManagementAPI:
         self.started_at = time.time()
         self.rates = RateSampler(node.broker)
         self.router = Router()
-        for module in (api_admin, api_conns, api_topology, api_retention, definitions):
+        for module in (api_admin, api_conns, api_limits, api_topology, api_retention, definitions):
             module.register(self.router)
         self.app = web.Application(client_max_size=MAX_BODY)
         console.register(self.app)

@@ -128,7 +128,7 @@ def user_json(user: User) -> dict[str, Any]:
         password_hash = base64.b64encode(user.salt + user.password_hash).decode("ascii")
         algorithm = "leveret_pbkdf2_sha256"
     return {"name": user.name, "password_hash": password_hash, "hashing_algorithm": algorithm,
-            "tags": list(user.tags), "limits": {}}
+            "tags": list(user.tags), "limits": dict(user.limits)}
 
 
 def connection_name(proto: AMQPProtocol) -> str:
