@@ -298,3 +298,36 @@ def test_shovel_from_rabbitmq_into_leveret(tmp_path: Path) -> None:
         conn.close()
     finally:
         b.node.cleanup()
+
+
+@pytest.mark.skipif(not os.path.exists("/usr/bin/chromium"), reason="/usr/bin/chromium is not installed")
+def test_console_lists_shovels_with_state_and_last_error(two: tuple[Broker, Broker], tmp_path: Path) -> None:
+    a, b = two
+    sync_api = pytest.importorskip("playwright.sync_api", reason="playwright is not installed")
+    a.shovel("good", {"src-uri": "amqp://", "src-queue": "c1", "dest-uri": b.node.url, "dest-queue": "c1"})
+    a.shovel("bad", {"src-uri": "amqp://", "src-queue": "c2", "dest-uri": f"amqp://127.0.0.1:{free_port()}/",
+                     "reconnect-delay": 0.2})
+    wait_for(lambda: running(a, "good"), 15, "the good shovel to run")
+    with sync_api.sync_playwright() as p:
+        browser = p.chromium.launch(executable_path="/usr/bin/chromium",
+                                    args=["--no-sandbox", "--disable-gpu", "--disable-background-networking"])
+        try:
+            page = browser.new_page(viewport={"width": 1280, "height": 700})
+            errors: list[str] = []
+            page.on("pageerror", lambda exc: errors.append(str(exc)))
+            page.goto(a.mgmt.base + "/")
+            page.fill("input[name=username]", "guest")
+            page.fill("input[name=password]", "guest")
+            page.click("#login button")
+            page.wait_for_selector("#totals")
+            page.click("a[href='#/shovels']")
+            page.locator("#shovels tr", has_text="good").locator("td", has_text="running").wait_for()
+            bad = page.locator("#shovels tr", has_text="bad")
+            bad.locator("td", has_text="terminated").wait_for()
+            assert "Connection refused" in bad.inner_text()  # the last error, as /api/shovels gives it
+            shot = tmp_path / "console-shovels.png"
+            page.screenshot(path=str(shot), full_page=True)
+            print(f"console screenshot: {shot}")
+            assert errors == []
+        finally:
+            browser.close()
