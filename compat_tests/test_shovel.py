@@ -331,3 +331,26 @@ def test_console_lists_shovels_with_state_and_last_error(two: tuple[Broker, Brok
             assert errors == []
         finally:
             browser.close()
+
+
+def test_shovel_from_leveret_into_rabbitmq(tmp_path: Path) -> None:
+    url = os.environ.get(RABBIT_ENV)
+    if not url:
+        pytest.skip(f"{RABBIT_ENV} is not set: no RabbitMQ to shovel into (set it to amqp://user:pass@host:5672/)")
+    a = Broker(tmp_path / "a")
+    a.start()
+    try:
+        queue = f"shovel-dest-{uuid.uuid4().hex[:8]}"
+        declare(a.node.url, "out")
+        bodies = [f"l{i}".encode() for i in range(200)]
+        a.shovel("to-rabbit", {"src-uri": "amqp://", "src-queue": "out", "dest-uri": url, "dest-queue": queue,
+                               "ack-mode": "on-confirm"})
+        publish(a.node.url, "out", bodies)
+        got = drain(url, queue, lambda got: set(bodies) <= set(got), timeout=60)
+        assert set(bodies) <= set(got)
+        a.mgmt.ok("DELETE", "/api/parameters/shovel/%2F/to-rabbit")
+        conn = pika.BlockingConnection(pika.URLParameters(url))
+        conn.channel().queue_delete(queue)
+        conn.close()
+    finally:
+        a.node.cleanup()
