@@ -205,7 +205,8 @@ def test_status_json_errors_and_ctl(two: tuple[Broker, Broker]) -> None:
     assert mgmt.request("GET", "/api/parameters/shovel/%2F/bad").status == 404
 
     a.shovel("ok", {"src-uri": "amqp://", "src-exchange": "amq.topic", "src-exchange-key": "news.#",
-                    "dest-uri": b.node.url, "dest-exchange": "amq.fanout", "dest-add-forward-headers": True})
+                    "dest-uri": b.node.url, "dest-exchange": "amq.fanout", "dest-add-forward-headers": True,
+                    "dest-add-timestamp-header": True, "dest-publish-properties": {"app_id": "shovelled"}})
     dead = f"amqp://guest:secret@127.0.0.1:{free_port()}/"
     a.shovel("broken", {"src-uri": "amqp://", "src-queue": "q2", "dest-uri": dead, "reconnect-delay": 0.2})
     wait_for(lambda: running(a, "ok"), 15, "the good shovel to run")
@@ -234,6 +235,7 @@ def test_status_json_errors_and_ctl(two: tuple[Broker, Broker]) -> None:
         time.sleep(0.05)
     assert method is not None and body == b"goal"
     assert props.headers["x-shovelled"][0]["shovel-name"] == "ok"
+    assert abs(props.headers["x-shovelled-timestamp"] - time.time()) < 60 and props.app_id == "shovelled"
     time.sleep(0.5)
     assert ch.basic_get(sink, auto_ack=True)[0] is None  # the other routing key was not bound
     src.close()

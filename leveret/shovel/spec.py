@@ -9,6 +9,7 @@ to delete itself.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from datetime import UTC, datetime
 from typing import Any
 from urllib.parse import parse_qsl, urlencode, urlsplit, urlunsplit
 
@@ -16,7 +17,7 @@ COMPONENT = "shovel"
 ACK_MODES = ("on-confirm", "on-publish", "no-ack")
 KNOWN = frozenset({
     "src-uri", "src-queue", "src-exchange", "src-exchange-key", "src-prefetch-count", "src-delete-after",
-    "src-protocol", "src-queue-args", "src-consumer-args",
+    "src-protocol", "src-queue-args",
     "dest-uri", "dest-queue", "dest-exchange", "dest-exchange-key", "dest-protocol", "dest-add-forward-headers",
     "dest-add-timestamp-header", "dest-publish-properties", "dest-queue-args",
     "ack-mode", "reconnect-delay", "add-forward-headers", "delete-after", "prefetch-count",
@@ -44,6 +45,10 @@ class ShovelSpec:
     reconnect_delay: float
     delete_after: int | str | None  # None: never; a count; "queue-length": what the queue held at start
     forward_headers: bool
+    timestamp_header: bool = False
+    publish_properties: tuple[tuple[str, Any], ...] = ()  # (pamqp attribute, value) set on every message
+    src_queue_args: tuple[tuple[str, Any], ...] = ()  # arguments when the shovel declares the source queue
+    dest_queue_args: tuple[tuple[str, Any], ...] = ()
 
 
 def _uris(value: dict[str, Any], key: str) -> tuple[str, ...]:
@@ -62,6 +67,36 @@ def _opt_str(value: dict[str, Any], key: str) -> str | None:
     if v is not None and not isinstance(v, str):
         raise ShovelError(f"{key} must be a string")
     return v
+
+
+# dest-publish-properties: RabbitMQ's names -> pamqp's Basic.Properties attributes.
+PROPERTIES = {"content_type": "content_type", "content_encoding": "content_encoding", "headers": "headers",
+              "delivery_mode": "delivery_mode", "priority": "priority", "correlation_id": "correlation_id",
+              "reply_to": "reply_to", "expiration": "expiration", "message_id": "message_id",
+              "timestamp": "timestamp", "type": "message_type", "user_id": "user_id", "app_id": "app_id",
+              "cluster_id": "cluster_id"}
+
+
+def _table(value: dict[str, Any], key: str) -> dict[str, Any]:
+    v = value.get(key, {})
+    if not isinstance(v, dict):
+        raise ShovelError(f"{key} must be a JSON object")
+    return v
+
+
+def _properties(value: dict[str, Any]) -> tuple[tuple[str, Any], ...]:
+    props = _table(value, "dest-publish-properties")
+    unknown = sorted(set(props) - set(PROPERTIES))
+    if unknown:
+        raise ShovelError(f"dest-publish-properties: unknown properties {', '.join(unknown)}")
+    if "headers" in props and not isinstance(props["headers"], dict):
+        raise ShovelError("dest-publish-properties: headers must be a JSON object")
+    if "timestamp" in props:  # seconds in JSON; pamqp takes a datetime
+        stamp = props["timestamp"]
+        if isinstance(stamp, bool) or not isinstance(stamp, int):
+            raise ShovelError("dest-publish-properties: timestamp must be an integer (seconds)")
+        props = {**props, "timestamp": datetime.fromtimestamp(stamp, UTC)}
+    return tuple(sorted((PROPERTIES[k], v) for k, v in props.items()))
 
 
 def _number(value: dict[str, Any], key: str, default: float, minimum: float) -> float:
@@ -99,8 +134,9 @@ def parse(vhost: str, name: str, value: Any) -> ShovelSpec:
     if delete_after == "queue-length" and src_queue is None:
         raise ShovelError("src-delete-after \"queue-length\" needs a src-queue")
     forward = value.get("dest-add-forward-headers", value.get("add-forward-headers", False))
-    if not isinstance(forward, bool):
-        raise ShovelError("dest-add-forward-headers must be true or false")
+    stamp = value.get("dest-add-timestamp-header", False)
+    if not isinstance(forward, bool) or not isinstance(stamp, bool):
+        raise ShovelError("dest-add-forward-headers and dest-add-timestamp-header must be true or false")
     return ShovelSpec(
         vhost=vhost, name=name, src_uris=_uris(value, "src-uri"), dest_uris=_uris(value, "dest-uri"),
         src_queue=src_queue, src_exchange=src_exchange,
@@ -109,7 +145,10 @@ def parse(vhost: str, name: str, value: Any) -> ShovelSpec:
         ack_mode=ack_mode,
         prefetch=int(_number(value, "src-prefetch-count", value.get("prefetch-count", 1000), 1)),
         reconnect_delay=_number(value, "reconnect-delay", 5, 0),
-        delete_after=delete_after, forward_headers=forward,
+        delete_after=delete_after, forward_headers=forward, timestamp_header=stamp,
+        publish_properties=_properties(value),
+        src_queue_args=tuple(sorted(_table(value, "src-queue-args").items())),
+        dest_queue_args=tuple(sorted(_table(value, "dest-queue-args").items())),
     )
 
 

@@ -89,14 +89,14 @@ class ShovelRunner:
                 self._set("terminated", reason)
             await asyncio.sleep(spec.reconnect_delay)
 
-    async def _declare(self, conn: aiormq.abc.AbstractConnection, queue: str) -> int:
-        """The queue's message count; declared durable when it does not exist (as RabbitMQ's shovel does)."""
+    async def _declare(self, conn: aiormq.abc.AbstractConnection, queue: str, args: dict[str, Any]) -> int:
+        """The queue's message count; declared durable (with ``args``) when it does not exist, as RabbitMQ's does."""
         probe = await conn.channel(publisher_confirms=False)
         try:
             ok = await probe.queue_declare(queue, passive=True)
         except aiormq.exceptions.ChannelNotFoundEntity:
             probe = await conn.channel(publisher_confirms=False)
-            ok = await probe.queue_declare(queue, durable=True)
+            ok = await probe.queue_declare(queue, durable=True, arguments=args or None)
         await probe.close()
         return int(ok.message_count or 0)
 
@@ -117,10 +117,10 @@ class ShovelRunner:
         confirm = spec.ack_mode == "on-confirm"
         dch = await dest.channel(publisher_confirms=confirm)
         if spec.dest_queue is not None:
-            await self._declare(dest, spec.dest_queue)
+            await self._declare(dest, spec.dest_queue, dict(spec.dest_queue_args))
         if spec.src_queue is not None:
             queue = spec.src_queue
-            count = await self._declare(src, queue)
+            count = await self._declare(src, queue, dict(spec.src_queue_args))
             if spec.delete_after == "queue-length" and self._remaining is None:
                 self._remaining = count
         sch = await src.channel(publisher_confirms=False)
@@ -152,8 +152,12 @@ class ShovelRunner:
 
         async def handle(message: DeliveredMessage) -> None:
             props = message.header.properties
+            for attr, value in spec.publish_properties:
+                setattr(props, attr, value)
             if forward is not None:
                 props.headers = {**(props.headers or {}), "x-shovelled": [forward]}
+            if spec.timestamp_header:
+                props.headers = {**(props.headers or {}), "x-shovelled-timestamp": int(time.time())}
             exchange, key = self._route(message)
             try:
                 reply = await dch.basic_publish(message.body, exchange=exchange, routing_key=key, properties=props)
