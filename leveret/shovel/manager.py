@@ -75,7 +75,7 @@ class ShovelManager:
         await self.store.save_parameter(vhost, component, name, value)
         self._apply((vhost, component, name), value)
         if component == COMPONENT:
-            await self.reconcile()
+            await self._reconcile_now()
 
     async def clear_parameter(self, vhost: str, component: str, name: str) -> bool:
         vh = self.broker.vhosts.get(vhost)
@@ -83,8 +83,16 @@ class ShovelManager:
         await self.store.delete_parameter(vhost, component, name)
         self._apply((vhost, component, name), None)
         if component == COMPONENT:
-            await self.reconcile()
+            await self._reconcile_now()
         return existed
+
+    async def _reconcile_now(self) -> None:
+        """The parameter is stored: a failure to place it now (etcd away) is retried by the next poll."""
+        try:
+            await self.reconcile()
+        except Exception as exc:  # noqa: BLE001
+            log.warning("shovel placement failed; the next poll retries",
+                        extra={"error": f"{type(exc).__name__}: {exc}"})
 
     def _apply(self, key: Key, value: Any) -> None:
         vhost, component, name = key
@@ -129,10 +137,7 @@ class ShovelManager:
             for key in self._seen.keys() - current.keys():
                 self._apply(key, None)
             self._seen = current
-            try:
-                await self.reconcile()
-            except Exception as exc:  # noqa: BLE001  etcd away a moment: the next poll tries again
-                log.warning("shovel placement failed; retrying", extra={"error": f"{type(exc).__name__}: {exc}"})
+            await self._reconcile_now()
 
     async def reconcile(self) -> None:
         """Stop what is gone, changed or no longer held; start what this node can hold."""
