@@ -279,6 +279,20 @@ def test_shovel_survives_a_graceful_restart(two: tuple[Broker, Broker]) -> None:
     assert drain(b.node.url, "dst", lambda got: len(got) >= 1, timeout=15) == [b"after restart"]
 
 
+def test_a_deleted_source_queue_is_declared_again_and_the_shovel_goes_on(two: tuple[Broker, Broker]) -> None:
+    a, b = two
+    a.shovel("again", {"src-uri": "amqp://", "src-queue": "gone", "dest-uri": b.node.url, "dest-queue": "dst",
+                       "reconnect-delay": 0.2})
+    wait_for(lambda: running(a, "again"), 15, "the shovel to run")
+    a.mgmt.ok("DELETE", "/api/queues/%2F/gone")  # the broker cancels the shovel's consumer
+    wait_for(lambda: a.mgmt.request("GET", "/api/queues/%2F/gone").status == 200 and running(a, "again"), 15,
+             "the shovel to declare its source again and run")
+    publish(a.node.url, "gone", [b"still moving"])
+    assert drain(b.node.url, "dst", lambda got: len(got) >= 1, timeout=15) == [b"still moving"]
+    logs = a.node.stderr_tail(100_000)
+    assert "cancelled the consumer" in logs and "Traceback" not in logs
+
+
 def test_shovel_from_rabbitmq_into_leveret(tmp_path: Path) -> None:
     url = os.environ.get(RABBIT_ENV)
     if not url:

@@ -25,6 +25,9 @@ from pamqp import commands as spec_commands
 from leveret.shovel.spec import ShovelSpec, client_uri, redact
 
 log = logging.getLogger("leveret.shovel")
+# aiormq logs each lost connection at warning level with a full traceback; the
+# shovel logs one line with the reason instead (and shows it in /api/shovels).
+logging.getLogger("aiormq").setLevel(logging.ERROR)
 
 
 class Finished(Exception):
@@ -173,6 +176,12 @@ class ShovelRunner:
                 return
             self.shovelled += 1
 
+        def cancelled(frame: Any) -> None:
+            # The source cancelled our consumer (its queue was deleted): reconnect, which declares it again.
+            if not done.done():
+                done.set_exception(ConnectionError("the source cancelled the consumer (queue deleted?)"))
+
+        sch.on_consumer_cancel_callbacks.add(cancelled)
         await sch.basic_consume(queue, deliver, no_ack=spec.ack_mode == "no-ack")
         self._set("running")
         log.info("shovel running", extra={"vhost": spec.vhost, "shovel": spec.name, "src": redact(src_uri),
