@@ -21,9 +21,11 @@ from typing import Any
 
 import pika
 import pytest
+import trustme
 
 from compat_tests.mgmt_http import Mgmt, q, wait_http
 from compat_tests.node_process import REPO_ROOT, NodeProcess, _python
+from compat_tests.test_tls import Certs, TLSNode
 from tests.ports import free_port
 
 RABBIT_ENV = "LEVERET_TEST_AMQP_URL"
@@ -291,6 +293,29 @@ def test_a_deleted_source_queue_is_declared_again_and_the_shovel_goes_on(two: tu
     assert drain(b.node.url, "dst", lambda got: len(got) >= 1, timeout=15) == [b"still moving"]
     logs = a.node.stderr_tail(100_000)
     assert "cancelled the consumer" in logs and "Traceback" not in logs
+
+
+def test_amqps_destination_with_rabbitmqs_tls_query_parameters(two: tuple[Broker, Broker], tmp_path: Path) -> None:
+    a, _ = two
+    certs, other_ca = Certs(tmp_path), tmp_path / "other-ca.pem"
+    trustme.CA().cert_pem.write_to_path(str(other_ca))
+    b = TLSNode(tmp_path / "tls" / "data", tmp_path / "tls" / "logs",
+                ["--tls-cert", str(certs.server_cert), "--tls-key", str(certs.server_key)])
+    b.start()
+    try:
+        dest = f"amqps://guest:guest@127.0.0.1:{b.amqps_port}/"
+        a.shovel("tls", {"src-uri": "amqp://", "src-queue": "t", "dest-uri": f"{dest}?cacertfile={certs.ca_file}",
+                         "dest-queue": "t"})
+        a.shovel("untrusted", {"src-uri": "amqp://", "src-queue": "u", "dest-queue": "u",
+                               "dest-uri": f"{dest}?cacertfile={other_ca}", "reconnect-delay": 0.2})
+        wait_for(lambda: running(a, "tls"), 15, "the amqps shovel to run")
+        publish(a.node.url, "t", [b"over tls"])
+        assert drain(b.url, "t", lambda got: len(got) >= 1, timeout=15) == [b"over tls"]
+        # A server certificate its CA file does not vouch for: refused, and said so.
+        wait_for(lambda: any(s["name"] == "untrusted" and "CERTIFICATE_VERIFY_FAILED" in s.get("reason", "")
+                             for s in a.shovels()), 15, "the untrusted shovel to report the certificate")
+    finally:
+        b.cleanup()
 
 
 def test_shovel_from_rabbitmq_into_leveret(tmp_path: Path) -> None:
