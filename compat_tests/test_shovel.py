@@ -221,6 +221,15 @@ def test_status_json_errors_and_ctl(two: tuple[Broker, Broker]) -> None:
     assert ok["node"] and ok["dest_exchange"] == "amq.fanout"
     assert broken["reason"] and "secret" not in broken["dest_uri"]  # the password never shows
     assert mgmt.get("/api/shovels/vhost/%2F/ok")["state"] == "running"
+    assert mgmt.request("DELETE", "/api/shovels/vhost/%2F/nope/restart").status == 404
+
+    def sessions() -> int:  # "shovel running" log lines of shovel "ok": one per (re)connection
+        return sum(1 for line in a.node.stderr_tail(10**7).splitlines()
+                   if '"msg": "shovel running"' in line and '"shovel": "ok"' in line)
+
+    started = sessions()
+    mgmt.ok("DELETE", "/api/shovels/vhost/%2F/ok/restart")
+    wait_for(lambda: sessions() == started + 1, 15, "the shovel to connect again")
 
     # A message through the exchange shovel carries x-shovelled (dest-add-forward-headers).
     conn = pika.BlockingConnection(pika.URLParameters(b.node.url))
@@ -255,6 +264,9 @@ def test_status_json_errors_and_ctl(two: tuple[Broker, Broker]) -> None:
 
     ctl("set_parameter", "shovel", "by-ctl", f'{{"src-uri": "amqp://", "src-queue": "q3", "dest-uri": "{b.node.url}"}}')
     wait_for(lambda: "by-ctl\t/\tdynamic\trunning" in ctl("shovel_status"), 15, "ctl to show the shovel running")
+    assert "shovel\tby-ctl\t" in ctl("list_parameters")
+    ctl("restart_shovel", "by-ctl")
+    wait_for(lambda: "by-ctl\t/\tdynamic\trunning" in ctl("shovel_status"), 15, "the restarted shovel")
     ctl("clear_parameter", "shovel", "by-ctl")
     assert "by-ctl" not in ctl("shovel_status")
     assert mgmt.request("DELETE", "/api/parameters/shovel/%2F/by-ctl").status == 404

@@ -219,6 +219,9 @@ def run_command(client: Client, args: argparse.Namespace) -> int:
     elif c == "list_parameters":
         items = [i for i in client.call("GET", "parameters") if i["vhost"] == v]
         print_table(items, list(args.rest) or ["component", "name", "value"], args)
+    elif c == "restart_shovel":
+        (name,) = _need(args, 1, "[-p VHOST] NAME")[:1]
+        client.call("DELETE", f"shovels/vhost/{q(v)}/{q(name)}/restart")
     elif c == "shovel_status":
         print_table(client.call("GET", "shovels"), list(args.rest) or ["name", "vhost", "type", "state", "node",
                                                                         "reason"], args)
@@ -259,8 +262,8 @@ def run_command(client: Client, args: argparse.Namespace) -> int:
 COMMANDS = (*LISTS, "close_connection", "purge_queue", "delete_queue", "add_user", "delete_user",
             "change_password", "set_user_tags", "add_vhost", "delete_vhost", "set_permissions",
             "clear_permissions", "set_topic_permissions", "set_policy", "clear_policy", "set_parameter",
-            "clear_parameter", "list_parameters", "shovel_status", "export_definitions", "import_definitions", "status",
-            "cluster_status")
+            "clear_parameter", "list_parameters", "shovel_status", "restart_shovel", "export_definitions",
+            "import_definitions", "status", "cluster_status")
 
 
 def add_parser(sub: Any) -> None:

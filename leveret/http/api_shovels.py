@@ -7,6 +7,7 @@ from typing import TYPE_CHECKING, Any
 from core.ports.store import StoreError
 from leveret.http import listing
 from leveret.http.errors import HttpError, bad_request, not_found
+from leveret.http.responses import no_content
 from leveret.shovel.spec import ShovelError
 
 if TYPE_CHECKING:
@@ -18,6 +19,7 @@ def register(r: Router) -> None:
     r.add("shovels", GET=(shovels, "monitoring"))
     r.add("shovels/{vhost}", GET=(shovels, "monitoring"))
     r.add("shovels/vhost/{vhost}/{name}", GET=(shovel_one, "monitoring"))
+    r.add("shovels/vhost/{vhost}/{name}/restart", DELETE=(shovel_restart, "policymaker"))
 
 
 def _unavailable(exc: StoreError) -> HttpError:
@@ -67,3 +69,15 @@ async def shovel_one(call: Call) -> Any:
     if not found:
         raise not_found(f"shovel '{call.params['name']}' not found")
     return found[0]
+
+
+async def shovel_restart(call: Call) -> Any:
+    """RabbitMQ's restart: the shovel's connections closed and opened again (on the node that runs it)."""
+    vh = call.vhost(write=True)
+    manager, name = call.node.shovels, call.params["name"]
+    if manager is None or (vh.name, name) not in manager.specs:
+        raise not_found(f"shovel '{name}' not found")
+    if not await manager.restart(vh.name, name):
+        node = await manager.holder.holder(vh.name, name)
+        raise bad_request(f"shovel '{name}' runs on node {node or '(none yet)'}: restart it there")
+    return no_content()

@@ -176,6 +176,15 @@ class ShovelManager:
 
         asyncio.get_running_loop().create_task(delete())
 
+    async def restart(self, vhost: str, name: str) -> bool:
+        """Stop and start the shovel if this node runs it (False: it runs elsewhere, or nowhere yet)."""
+        runner = self.running.get((vhost, name))
+        if runner is None:
+            return False
+        await runner.stop()
+        runner.start()
+        return True
+
     # -- status ----------------------------------------------------------------------
     async def status(self, vhosts: set[str] | None = None) -> list[dict[str, Any]]:
         """/api/shovels: every shovel defined; those run elsewhere by their holder (or 'starting' when none)."""
