@@ -13,6 +13,7 @@ messages are in flight at once rather than one confirm round trip each.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 from collections.abc import Callable
@@ -25,6 +26,8 @@ from pamqp import commands as spec_commands
 from leveret.shovel.spec import ShovelSpec, client_uri, redact
 
 log = logging.getLogger("leveret.shovel")
+CONNECT_TIMEOUT = 30.0
+CLOSE_TIMEOUT = 5.0
 # aiormq logs each lost connection at warning level with a full traceback; the
 # shovel logs one line with the reason instead (and shows it in /api/shovels).
 logging.getLogger("aiormq").setLevel(logging.ERROR)
@@ -103,16 +106,26 @@ class ShovelRunner:
         await probe.close()
         return int(ok.message_count or 0)
 
+    async def _connect(self, uri: str) -> aiormq.abc.AbstractConnection:
+        # A host that drops packets would otherwise keep the shovel "starting" for minutes.
+        return await asyncio.wait_for(aiormq.connect(client_uri(uri, self.local_port)), CONNECT_TIMEOUT)
+
+    @staticmethod
+    async def _close(conn: aiormq.abc.AbstractConnection) -> None:
+        # Closing a connection whose peer died must neither hang nor hide the error that ended the session.
+        with contextlib.suppress(Exception):
+            await asyncio.wait_for(conn.close(), CLOSE_TIMEOUT)
+
     async def _session(self, src_uri: str, dest_uri: str) -> None:
-        src = await aiormq.connect(client_uri(src_uri, self.local_port))
+        src = await self._connect(src_uri)
         try:
-            dest = await aiormq.connect(client_uri(dest_uri, self.local_port))
+            dest = await self._connect(dest_uri)
             try:
                 await self._shovel(src, dest, src_uri, dest_uri)
             finally:
-                await dest.close()
+                await self._close(dest)
         finally:
-            await src.close()
+            await self._close(src)
 
     async def _shovel(self, src: aiormq.abc.AbstractConnection, dest: aiormq.abc.AbstractConnection,
                       src_uri: str, dest_uri: str) -> None:
@@ -146,14 +159,17 @@ class ShovelRunner:
                     return
                 self._remaining -= 1
             self._in_flight += 1
+            moved = False
             try:
-                await handle(message)
+                moved = await handle(message)
             finally:
                 self._in_flight -= 1
+                if not moved and self._remaining is not None:
+                    self._remaining += 1  # not moved (failed or cancelled): its slot is free again
             if self._remaining == 0 and self._in_flight == 0 and not done.done():
                 done.set_exception(Finished())  # every counted message is settled at both ends
 
-        async def handle(message: DeliveredMessage) -> None:
+        async def handle(message: DeliveredMessage) -> bool:
             props = message.header.properties
             for attr, value in spec.publish_properties:
                 setattr(props, attr, value)
@@ -169,12 +185,11 @@ class ShovelRunner:
                 if spec.ack_mode != "no-ack":
                     await sch.basic_ack(message.delivery_tag or 0)
             except Exception as exc:  # noqa: BLE001
-                if self._remaining is not None:
-                    self._remaining += 1
                 if not done.done():  # unacked at the source: redelivered to the next session
                     done.set_exception(exc)
-                return
+                return False
             self.shovelled += 1
+            return True
 
         def cancelled(frame: Any) -> None:
             # The source cancelled our consumer (its queue was deleted): reconnect, which declares it again.
