@@ -249,7 +249,14 @@ class ShovelRunner:
         log.info("shovel running", extra={"vhost": spec.vhost, "shovel": spec.name, "src": redact(src_uri),
                                           "dest": redact(dest_uri), "ack_mode": spec.ack_mode})
         closing = [src.closing, dest.closing, done]
-        finished, _ = await asyncio.wait(closing, return_when=asyncio.FIRST_COMPLETED)
+        try:
+            finished, _ = await asyncio.wait(closing, return_when=asyncio.FIRST_COMPLETED)
+        except asyncio.CancelledError:
+            # Stopped (parameter cleared or changed, node stopping): ack what the destination
+            # confirmed, so the next session does not deliver it again.
+            with contextlib.suppress(Exception):
+                await asyncio.wait_for(acks.flush(), CLOSE_TIMEOUT)
+            raise
         for fut in finished:
             if fut is done:
                 done.result()
