@@ -246,6 +246,25 @@ def run_command(client: Client, args: argparse.Namespace) -> int:
     elif c in ("set_vhost_limits", "clear_vhost_limits", "list_vhost_limits", "set_user_limits",
                "clear_user_limits", "list_user_limits"):
         _limits(client, args)
+    elif c == "set_parameter":
+        component, name, value = _need(args, 3, "[-p VHOST] COMPONENT NAME VALUE")[:3]
+        try:
+            parsed = json.loads(value)
+        except ValueError as exc:
+            raise CtlError(f"VALUE is not JSON: {exc}") from None
+        client.call("PUT", f"parameters/{q(component)}/{q(v)}/{q(name)}", {"value": parsed})
+    elif c == "clear_parameter":
+        component, name = _need(args, 2, "[-p VHOST] COMPONENT NAME")[:2]
+        client.call("DELETE", f"parameters/{q(component)}/{q(v)}/{q(name)}")
+    elif c == "list_parameters":
+        items = [i for i in client.call("GET", "parameters") if i["vhost"] == v]
+        print_table(items, list(args.rest) or ["component", "name", "value"], args)
+    elif c == "restart_shovel":
+        (name,) = _need(args, 1, "[-p VHOST] NAME")[:1]
+        client.call("DELETE", f"shovels/vhost/{q(v)}/{q(name)}/restart")
+    elif c == "shovel_status":
+        print_table(client.call("GET", "shovels"), list(args.rest) or ["name", "vhost", "type", "state", "node",
+                                                                        "reason"], args)
     elif c == "export_definitions":
         (path,) = _need(args, 1, "FILE (- for standard output)")[:1]
         data = json.dumps(client.call("GET", "definitions"), indent=2)
@@ -284,7 +303,8 @@ COMMANDS = (*LISTS, "close_connection", "purge_queue", "delete_queue", "add_user
             "change_password", "set_user_tags", "add_vhost", "delete_vhost", "set_permissions",
             "clear_permissions", "set_topic_permissions", "set_vhost_limits", "clear_vhost_limits",
             "list_vhost_limits", "set_user_limits", "clear_user_limits", "list_user_limits", "set_policy",
-            "clear_policy", "export_definitions",
+            "clear_policy", "set_parameter", "clear_parameter", "list_parameters", "shovel_status", "restart_shovel",
+            "export_definitions",
             "import_definitions", "status", "cluster_status")
 
 

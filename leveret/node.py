@@ -28,6 +28,7 @@ from leveret.grpc_server import GRPCServer
 from leveret.http.metrics import MetricsServer
 from leveret.policy_watch import PolicyWatch
 from leveret.retention_schedule import RetentionService
+from leveret.shovel.manager import ShovelManager
 from leveret.tls import ServerTLS, TLSFiles
 
 if TYPE_CHECKING:
@@ -84,6 +85,7 @@ class Node:
         self.management: ManagementAPI | None = None
         self.metrics: MetricsServer | None = None  # --prometheus-port (leveret/http/metrics.py)
         self.policy_watch: PolicyWatch | None = None
+        self.shovels: ShovelManager | None = None
         self.started_at = time.monotonic()
         StreamQueue.memory_limit = config.stream_memory_bytes
 
@@ -252,6 +254,7 @@ class Node:
             await self._start_amqp()
             await self.grpc.start(self.config.bind, self.config.grpc_port, self._grpc_credentials())
         self._monitor = asyncio.create_task(self._watch_memory())
+        await self._start_shovels()
         await self._start_management()
         log.info(
             "node started",
@@ -266,6 +269,15 @@ class Node:
                 "pid": os.getpid(),
             },
         )
+
+    async def _start_shovels(self) -> None:
+        """Runtime parameters back from the store; the shovels this node holds started (leveret/shovel/)."""
+        from leveret.shovel.hold import EtcdHolder, Holder, LocalHolder
+
+        assert self.store is not None
+        holder: Holder = EtcdHolder(self.cluster) if self.cluster is not None else LocalHolder(self.broker.node_id)
+        self.shovels = ShovelManager(self.broker, self.store, holder, self.broker.node_id, self.amqp.port)
+        await self.shovels.start()
 
     async def _start_amqp(self) -> None:
         await self.amqp.start(self.config.bind, self.config.amqp_port)
@@ -353,6 +365,8 @@ class Node:
         self._monitor.cancel()
         if self.management is not None:
             await self.management.stop()
+        if self.shovels is not None:
+            await self.shovels.stop()
         if self.cluster is not None:
             # Hand our queues to the other nodes first, while we still serve them.
             await self.cluster.stop(handover=True)

@@ -396,6 +396,29 @@ class PostgresStore:
                                          (vhost, name, operator))
                 return cur.rowcount > 0
 
+    async def load_parameters(self) -> list[tuple[str, str, str, Any]]:
+        with self._guard("loading runtime parameters"):
+            async with self._connection() as conn:
+                cur = await conn.execute("SELECT vhost, component, name, value FROM runtime_parameters"
+                                         " ORDER BY vhost, component, name")
+                rows = await cur.fetchall()
+        return [(vhost, component, name, json.loads(value)) for vhost, component, name, value in rows]
+
+    async def save_parameter(self, vhost: str, component: str, name: str, value: Any) -> None:
+        with self._guard(f"saving parameter {component}/{name}"):
+            async with self._connection() as conn:
+                await conn.execute(
+                    "INSERT INTO runtime_parameters (vhost, component, name, value) VALUES (%s, %s, %s, %s)"
+                    " ON CONFLICT (vhost, component, name) DO UPDATE SET value = EXCLUDED.value",
+                    (vhost, component, name, json.dumps(value)))
+
+    async def delete_parameter(self, vhost: str, component: str, name: str) -> bool:
+        with self._guard(f"deleting parameter {component}/{name}"):
+            async with self._connection() as conn:
+                cur = await conn.execute("DELETE FROM runtime_parameters WHERE vhost = %s AND component = %s"
+                                         " AND name = %s", (vhost, component, name))
+                return cur.rowcount > 0
+
     async def load_vhosts(self) -> list[str]:
         with self._guard("loading vhosts"):
             async with self._connection() as conn:

@@ -195,6 +195,21 @@ class SQLiteStore:
             "DELETE FROM policies WHERE vhost = ? AND name = ? AND operator = ?", (vhost, name, int(operator))
         ).rowcount > 0)
 
+    async def load_parameters(self) -> list[tuple[str, str, str, Any]]:
+        return await self._run(lambda db: [
+            (vhost, component, name, json.loads(value)) for vhost, component, name, value in db.execute(
+                "SELECT vhost, component, name, value FROM runtime_parameters ORDER BY vhost, component, name")])
+
+    async def save_parameter(self, vhost: str, component: str, name: str, value: Any) -> None:
+        await self._run(lambda db: db.execute(
+            "INSERT OR REPLACE INTO runtime_parameters (vhost, component, name, value) VALUES (?, ?, ?, ?)",
+            (vhost, component, name, json.dumps(value))))
+
+    async def delete_parameter(self, vhost: str, component: str, name: str) -> bool:
+        return await self._run(lambda db: db.execute(
+            "DELETE FROM runtime_parameters WHERE vhost = ? AND component = ? AND name = ?", (vhost, component, name)
+        ).rowcount > 0)
+
     async def load_vhosts(self) -> list[str]:
         return await self._run(lambda db: [r[0] for r in db.execute("SELECT name FROM vhosts ORDER BY name")])
 

@@ -192,6 +192,22 @@ async def test_concurrent_first_open_postgres(backend: str, opened: Opened) -> N
     assert [q.name for q in (await stores[3].load_topology()).queues] == ["q"]
 
 
+async def test_runtime_parameters_round_trip_upsert_delete_and_reopen(opened: Opened) -> None:
+    store = await opened()
+    assert await store.load_parameters() == []
+    shovel = {"src-uri": "amqp://", "src-queue": "a", "dest-uri": ["amqp://h1", "amqp://h2"], "src-delete-after": 5}
+    await store.save_parameter(VHOST, "shovel", "s1", shovel)
+    await store.save_parameter(VHOST, "other", "x", "a string")
+    await store.save_parameter(VHOST, "shovel", "s1", {**shovel, "src-queue": "b"})  # an upsert
+    await opened.close(store)
+    store = await opened()
+    assert await store.load_parameters() == [(VHOST, "other", "x", "a string"),
+                                             (VHOST, "shovel", "s1", {**shovel, "src-queue": "b"})]
+    assert await store.delete_parameter(VHOST, "shovel", "s1")
+    assert not await store.delete_parameter(VHOST, "shovel", "s1")
+    assert await store.load_parameters() == [(VHOST, "other", "x", "a string")]
+
+
 # -- topology ------------------------------------------------------------------------------
 
 

@@ -198,6 +198,15 @@ class MessageStore(Protocol):
 
     async def delete_policy(self, vhost: str, name: str, operator: bool) -> bool: ...
 
+    # -- runtime parameters (/api/parameters: shovels) ------------------------------
+    async def load_parameters(self) -> list[tuple[str, str, str, Any]]:
+        """Every stored runtime parameter as (vhost, component, name, value), the value as JSON gave it."""
+        ...
+
+    async def save_parameter(self, vhost: str, component: str, name: str, value: Any) -> None: ...
+
+    async def delete_parameter(self, vhost: str, component: str, name: str) -> bool: ...
+
     # -- ownership and messages --------------------------------------------------
     async def claim(self, vhost: str, queue: str, epoch: int | None = None) -> int:
         """Fence the queue for a new owner and return its epoch.

@@ -17,7 +17,7 @@ from core.engine.broker import RABBIT_SHA256, Permission, User
 from core.engine.stats import QUEUE_FIELDS, queue_counters
 from core.model.policy import Policy, PolicyError
 from leveret import __version__
-from leveret.http import listing, metadata
+from leveret.http import api_shovels, listing, metadata
 from leveret.http.errors import bad_request, not_found
 from leveret.http.rates import add_stats, stats_json
 from leveret.http.responses import created, json_response, no_content
@@ -556,13 +556,14 @@ async def parameter_put(call: Call) -> web.Response:
         raise bad_request("value is required")
     vh, key = call.vhost(write=True), (call.params["component"], call.params["name"])
     existed = key in vh.parameters
-    vh.parameters[key] = body["value"]
+    # Validated (a shovel's definition: 400), stored, and a shovel started or restarted at once.
+    await api_shovels.set_parameter(call, vh.name, *key, body["value"])
     return created(existed)
 
 
 async def parameter_delete(call: Call) -> web.Response:
     vh = call.vhost(write=True)
-    if vh.parameters.pop((call.params["component"], call.params["name"]), None) is None:
+    if not await api_shovels.clear_parameter(call, vh.name, call.params["component"], call.params["name"]):
         raise not_found()
     return no_content()
 

@@ -10,6 +10,7 @@ if TYPE_CHECKING:
     from core.engine.broker import Broker
     from core.ports.store import MessageStore
     from leveret.config import NodeConfig
+    from leveret.shovel.manager import ShovelManager
 
 
 class NodeView(Protocol):
@@ -18,3 +19,4 @@ class NodeView(Protocol):
     store: MessageStore | None
     config: NodeConfig
     cluster: EtcdCluster | None
+    shovels: ShovelManager | None

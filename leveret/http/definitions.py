@@ -18,7 +18,7 @@ from core.engine.vhost import VirtualHost
 from core.model.errors import BrokerError
 from core.model.policy import Policy
 from leveret import __version__
-from leveret.http import declare, metadata
+from leveret.http import api_shovels, declare, metadata
 from leveret.http.api_admin import (
     PRODUCT,
     RABBIT_COMPAT_VERSION,
@@ -32,6 +32,7 @@ from leveret.http.api_admin import (
 from leveret.http.errors import bad_request
 from leveret.http.responses import no_content
 from leveret.http.views import jsonable, user_json
+from leveret.shovel import spec as shovel_spec
 
 if TYPE_CHECKING:
     from leveret.http.routing import Router
@@ -210,9 +211,14 @@ def plan_import(call: Call, data: dict[str, Any], only_vhost: str | None) -> Pla
         plan.policies.append(policy_from_json(vhost, _str(item, "name", "policy"), item))
     for item in _list(data, "parameters"):
         vhost = vhost_of(item, "parameter")
-        component = _str(item, "component", "parameter")
+        component, name = _str(item, "component", "parameter"), _str(item, "name", "parameter")
         value = _vhost_limits(item.get("value")) if component == "vhost-limits" else item.get("value")
-        plan.parameters.append((vhost, component, _str(item, "name", "parameter"), value))
+        if component == "shovel":  # refused before anything is applied, as the API's PUT refuses it
+            try:
+                shovel_spec.parse(vhost, name, value)
+            except shovel_spec.ShovelError as exc:
+                raise bad_request(f"invalid shovel {name!r}: {exc}") from None
+        plan.parameters.append((vhost, component, name, value))
     for item in _list(data, "exchanges"):
         name = _str(item, "name", "exchange")
         what = f"exchange '{name}'"
@@ -304,11 +310,9 @@ async def apply_plan(call: Call, plan: Plan) -> None:
         await save_user(call, user)
     for policy in plan.policies:
         broker.vhosts[policy.vhost].set_policy(policy)
-    for vhost, component, name, value in plan.parameters:
+    for vhost, component, _name, value in plan.parameters:
         if component == "vhost-limits":  # RabbitMQ's form of vhost limits (core/engine/limits.py)
             await metadata.save_vhost_limits(call.node, vhost, value)
-            continue
-        broker.vhosts[vhost].parameters[(component, name)] = value
     for vhost, name, type_, durable, auto_delete, internal, args in plan.exchanges:
         await declare.declare_exchange(broker, broker.vhosts[vhost], name, type_, durable, auto_delete, internal,
                                        args)
@@ -316,6 +320,10 @@ async def apply_plan(call: Call, plan: Plan) -> None:
         await declare.declare_queue(broker, broker.vhosts[vhost], name, durable, auto_delete, args)
     for vhost, source, kind, dest, routing_key, args in plan.bindings:
         await declare.bind(broker, broker.vhosts[vhost], source, kind, dest, routing_key, args, add=True)
+    # Last: a shovel starts at once, with its queues declared above.
+    for vhost, component, name, value in plan.parameters:
+        if component != "vhost-limits":
+            await api_shovels.set_parameter(call, vhost, component, name, value)
 
 
 async def import_(call: Call) -> web.Response:

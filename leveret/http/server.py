@@ -25,7 +25,16 @@ from core.engine.access import Grants
 from core.engine.broker import User
 from core.engine.vhost import VirtualHost
 from core.model.errors import AccessRefused, BrokerError, NotFound
-from leveret.http import api_admin, api_conns, api_limits, api_retention, api_topology, console, definitions
+from leveret.http import (
+    api_admin,
+    api_conns,
+    api_limits,
+    api_retention,
+    api_shovels,
+    api_topology,
+    console,
+    definitions,
+)
 from leveret.http.context import NodeView
 from leveret.http.errors import HttpError, bad_request, not_authorised, not_found
 from leveret.http.rates import RateSampler
@@ -106,7 +115,7 @@ class ManagementAPI:
         self.started_at = time.time()
         self.rates = RateSampler(node.broker)
         self.router = Router()
-        for module in (api_admin, api_conns, api_limits, api_topology, api_retention, definitions):
+        for module in (api_admin, api_conns, api_limits, api_topology, api_retention, api_shovels, definitions):
             module.register(self.router)
         self.app = web.Application(client_max_size=MAX_BODY)
         console.register(self.app)

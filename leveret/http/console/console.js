@@ -258,6 +258,14 @@ const views = {
       ["Pattern", (p) => p.pattern], ["Apply to", (p) => p["apply-to"]],
       ["Definition", (p) => JSON.stringify(p.definition)], ["Priority", (p) => p.priority, true]], ps, "policies")] };
   },
+
+  async shovels() {
+    const ss = await api("GET", "/shovels");
+    return { view: [el("h2", {}, "Shovels"), table("shovels", [["Vhost", (s) => s.vhost], ["Name", (s) => s.name],
+      ["State", (s) => s.state], ["Node", (s) => s.node], ["Source", (s) => `${s.src_uri || ""} ${s.src_queue ||
+      s.src_exchange || ""}`], ["Destination", (s) => `${s.dest_uri || ""} ${s.dest_queue || s.dest_exchange || ""}`],
+      ["Moved", (s) => s.messages_shovelled ?? "", true], ["Last error", (s) => s.reason || ""]], ss, "shovels")] };
+  },
 };
 
 async function act(fn, done) {

@@ -1,0 +1,1 @@
+"""The news web application: a pusher page and a consumer page over Leveret's gRPC client (README.md)."""

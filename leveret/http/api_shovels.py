@@ -1,0 +1,83 @@
+"""Runtime parameters stored and applied through the node's shovel manager, and /api/shovels (leveret/shovel/)."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+from core.ports.store import StoreError
+from leveret.http import listing
+from leveret.http.errors import HttpError, bad_request, not_found
+from leveret.http.responses import no_content
+from leveret.shovel.spec import ShovelError
+
+if TYPE_CHECKING:
+    from leveret.http.routing import Router
+    from leveret.http.server import Call
+
+
+def register(r: Router) -> None:
+    r.add("shovels", GET=(shovels, "monitoring"))
+    r.add("shovels/{vhost}", GET=(shovels, "monitoring"))
+    r.add("shovels/vhost/{vhost}/{name}", GET=(shovel_one, "monitoring"))
+    r.add("shovels/vhost/{vhost}/{name}/restart", DELETE=(shovel_restart, "policymaker"))
+
+
+def _unavailable(exc: StoreError) -> HttpError:
+    return HttpError(503, "service_unavailable", f"the store did not take the parameter: {exc}")
+
+
+async def set_parameter(call: Call, vhost: str, component: str, name: str, value: Any) -> None:
+    """Validated (400), stored (503 when the store is down: nothing applied), applied on this node now."""
+    manager = call.node.shovels
+    if manager is None:  # a node without a store (tests of the HTTP layer alone): memory only
+        call.broker.vhosts[vhost].parameters[(component, name)] = value
+        return
+    try:
+        await manager.set_parameter(vhost, component, name, value)
+    except ShovelError as exc:
+        raise bad_request(f"invalid shovel {name!r}: {exc}") from None
+    except StoreError as exc:
+        raise _unavailable(exc) from None
+
+
+async def clear_parameter(call: Call, vhost: str, component: str, name: str) -> bool:
+    manager = call.node.shovels
+    if manager is None:
+        return call.broker.vhosts[vhost].parameters.pop((component, name), None) is not None
+    try:
+        return await manager.clear_parameter(vhost, component, name)
+    except StoreError as exc:
+        raise _unavailable(exc) from None
+
+
+async def _status(call: Call, vhost: str | None) -> list[dict[str, Any]]:
+    manager = call.node.shovels
+    if manager is None:
+        return []
+    names = {vhost} if vhost is not None else {vh.name for vh in call.visible_vhosts()}
+    return await manager.status(names)
+
+
+async def shovels(call: Call) -> Any:
+    vhost = call.vhost().name if "vhost" in call.params else None
+    return listing.apply(await _status(call, vhost), call.query)
+
+
+async def shovel_one(call: Call) -> Any:
+    vh = call.vhost()
+    found = [s for s in await _status(call, vh.name) if s["name"] == call.params["name"]]
+    if not found:
+        raise not_found(f"shovel '{call.params['name']}' not found")
+    return found[0]
+
+
+async def shovel_restart(call: Call) -> Any:
+    """RabbitMQ's restart: the shovel's connections closed and opened again (on the node that runs it)."""
+    vh = call.vhost(write=True)
+    manager, name = call.node.shovels, call.params["name"]
+    if manager is None or (vh.name, name) not in manager.specs:
+        raise not_found(f"shovel '{name}' not found")
+    if not await manager.restart(vh.name, name):
+        node = await manager.holder.holder(vh.name, name)
+        raise bad_request(f"shovel '{name}' runs on node {node or '(none yet)'}: restart it there")
+    return no_content()

@@ -1,0 +1,1 @@
+"""Dynamic shovels (runtime parameters of component ``shovel``), as RabbitMQ's (docs/SHOVELS.md)."""

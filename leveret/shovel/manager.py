@@ -1,0 +1,206 @@
+"""The node's shovels: which exist (runtime parameters in the store), which run here, their status.
+
+Parameters are stored (``runtime_parameters``) and every node reads them each
+``poll`` seconds, applying what changed *between two reads* (as
+leveret/policy_watch.py does), so a parameter this node set a moment ago is
+never undone by a read that started before its write. A shovel defined
+anywhere is tried here each poll: the node that wins the hold (hold.py) runs
+it, the others only list it. A shovel set or cleared through this node's API
+starts or stops at once, not at the next poll.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from typing import TYPE_CHECKING, Any
+
+from core.ports.store import StoreError
+from leveret.shovel.hold import Holder
+from leveret.shovel.spec import COMPONENT, ShovelError, ShovelSpec, parse, redact
+from leveret.shovel.worker import ShovelRunner
+
+if TYPE_CHECKING:
+    from core.engine.broker import Broker
+    from core.ports.store import MessageStore
+
+log = logging.getLogger("leveret.shovel")
+
+Key = tuple[str, str, str]  # (vhost, component, name)
+
+
+class ShovelManager:
+    def __init__(self, broker: Broker, store: MessageStore, holder: Holder, node: str, local_port: int,
+                 poll: float = 1.0) -> None:
+        self.broker = broker
+        self.store = store
+        self.holder = holder
+        self.node = node
+        self.local_port = local_port
+        self.poll = poll
+        self.specs: dict[tuple[str, str], ShovelSpec] = {}  # every shovel defined, wherever it runs
+        self.running: dict[tuple[str, str], ShovelRunner] = {}  # those this node runs
+        self._seen: dict[Key, Any] = {}
+        self._task: asyncio.Task[None] | None = None
+        self._lock = asyncio.Lock()  # one reconcile at a time (poll and API calls)
+
+    # -- lifecycle -------------------------------------------------------------------
+    async def start(self) -> None:
+        """Restore every stored parameter into its vhost and start the shovels this node holds."""
+        self._seen = await self._read()
+        for key, value in self._seen.items():
+            self._apply(key, value)
+        await self.reconcile()
+        self._task = asyncio.get_running_loop().create_task(self._run(), name="shovel manager")
+
+    async def stop(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            try:
+                await self._task
+            except asyncio.CancelledError:
+                pass
+        for vn in list(self.running):
+            await self._stop_one(vn, release=True)
+
+    # -- parameters, as the management API sets and clears them ----------------------
+    def validate(self, vhost: str, component: str, name: str, value: Any) -> None:
+        """ShovelError (400) when a shovel parameter is not a valid definition; other components pass."""
+        if component == COMPONENT:
+            parse(vhost, name, value)
+
+    async def set_parameter(self, vhost: str, component: str, name: str, value: Any) -> None:
+        """Validated, stored (StoreError: not stored, not applied), applied here now."""
+        self.validate(vhost, component, name, value)
+        await self.store.save_parameter(vhost, component, name, value)
+        self._apply((vhost, component, name), value)
+        if component == COMPONENT:
+            await self._reconcile_now()
+
+    async def clear_parameter(self, vhost: str, component: str, name: str) -> bool:
+        vh = self.broker.vhosts.get(vhost)
+        existed = vh is not None and (component, name) in vh.parameters
+        await self.store.delete_parameter(vhost, component, name)
+        self._apply((vhost, component, name), None)
+        if component == COMPONENT:
+            await self._reconcile_now()
+        return existed
+
+    async def _reconcile_now(self) -> None:
+        """The parameter is stored: a failure to place it now (etcd away) is retried by the next poll."""
+        try:
+            await self.reconcile()
+        except Exception as exc:  # noqa: BLE001
+            log.warning("shovel placement failed; the next poll retries",
+                        extra={"error": f"{type(exc).__name__}: {exc}"})
+
+    def _apply(self, key: Key, value: Any) -> None:
+        vhost, component, name = key
+        vh = self.broker.vhosts.get(vhost)
+        if vh is not None:
+            if value is None:
+                vh.parameters.pop((component, name), None)
+            else:
+                vh.parameters[(component, name)] = value
+        if component != COMPONENT:
+            return
+        if value is None or vh is None:
+            self.specs.pop((vhost, name), None)
+            return
+        try:
+            self.specs[(vhost, name)] = parse(vhost, name, value)
+        except ShovelError as exc:
+            log.warning("stored shovel parameter is invalid; not run", extra={
+                "vhost": vhost, "shovel": name, "error": str(exc)})
+            self.specs.pop((vhost, name), None)
+
+    # -- the poll --------------------------------------------------------------------
+    async def _read(self) -> dict[Key, Any]:
+        return {(v, c, n): value for v, c, n, value in await self.store.load_parameters()}
+
+    async def _run(self) -> None:
+        failing = False
+        while True:
+            await asyncio.sleep(self.poll)
+            try:
+                current = await self._read()
+            except StoreError as exc:
+                if not failing:
+                    log.warning("runtime parameters unavailable from the store; retrying", extra={"error": str(exc)})
+                    failing = True
+                current = self._seen
+            else:
+                failing = False
+            for key, value in current.items():
+                if self._seen.get(key) != value:
+                    self._apply(key, value)
+            for key in self._seen.keys() - current.keys():
+                self._apply(key, None)
+            self._seen = current
+            await self._reconcile_now()
+
+    async def reconcile(self) -> None:
+        """Stop what is gone, changed or no longer held; start what this node can hold."""
+        async with self._lock:
+            for vn, runner in list(self.running.items()):
+                spec = self.specs.get(vn)
+                if spec != runner.spec:
+                    await self._stop_one(vn, release=True)
+                elif not await self.holder.held(*vn):
+                    log.warning("shovel no longer held by this node; stopped", extra={"vhost": vn[0], "shovel": vn[1]})
+                    await self._stop_one(vn, release=False)
+            for vn, spec in list(self.specs.items()):
+                if vn not in self.running and await self.holder.acquire(*vn):
+                    runner = ShovelRunner(spec, self.node, self.local_port, self._finished)
+                    self.running[vn] = runner
+                    runner.start()
+
+    async def _stop_one(self, vn: tuple[str, str], release: bool) -> None:
+        runner = self.running.pop(vn, None)
+        if runner is not None:
+            await runner.stop()
+        if release:
+            try:
+                await self.holder.release(*vn)
+            except Exception as exc:  # noqa: BLE001  the key is on our lease: it goes with it anyway
+                log.warning("releasing shovel failed", extra={"vhost": vn[0], "shovel": vn[1], "error": str(exc)})
+
+    def _finished(self, spec: ShovelSpec) -> None:
+        """src-delete-after reached: the shovel deletes its own parameter (as RabbitMQ's does)."""
+        async def delete() -> None:
+            try:
+                await self.clear_parameter(spec.vhost, COMPONENT, spec.name)
+            except StoreError as exc:
+                log.warning("could not delete the finished shovel's parameter",
+                            extra={"vhost": spec.vhost, "shovel": spec.name, "error": str(exc)})
+
+        asyncio.get_running_loop().create_task(delete())
+
+    async def restart(self, vhost: str, name: str) -> bool:
+        """Stop and start the shovel if this node runs it (False: it runs elsewhere, or nowhere yet)."""
+        runner = self.running.get((vhost, name))
+        if runner is None:
+            return False
+        await runner.stop()
+        runner.start()
+        return True
+
+    # -- status ----------------------------------------------------------------------
+    async def status(self, vhosts: set[str] | None = None) -> list[dict[str, Any]]:
+        """/api/shovels: every shovel defined; those run elsewhere by their holder (or 'starting' when none)."""
+        out = []
+        for vn, spec in sorted(self.specs.items()):
+            if vhosts is not None and vn[0] not in vhosts:
+                continue
+            runner = self.running.get(vn)
+            if runner is not None:
+                out.append(runner.status())
+                continue
+            try:
+                node = await self.holder.holder(*vn)
+            except Exception:  # noqa: BLE001
+                node = None
+            out.append({"node": node or "", "name": spec.name, "vhost": spec.vhost, "type": "dynamic",
+                        "state": "running" if node else "starting", "src_uri": redact(spec.src_uris[0]),
+                        "dest_uri": redact(spec.dest_uris[0])})
+        return out

@@ -1,0 +1,308 @@
+"""One shovel: an AMQP 0-9-1 client that consumes from the source and republishes to the destination.
+
+It runs inside the node but speaks plain AMQP to both ends (aiormq), so either
+end may be this node, another Leveret or a RabbitMQ. With ``on-confirm`` a
+message is acked at the source only once the destination confirmed it: a
+shovel that dies (connection lost, node killed) leaves the message unacked at
+the source, which redelivers it to the next session. Duplicates are possible
+that way (redeliveries), losses are not. Each delivery is handled in its own
+task (aiormq runs consumer callbacks as tasks), so up to ``src-prefetch-count``
+messages are in flight at once rather than one confirm round trip each.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections.abc import Callable
+from typing import Any
+
+import aiormq
+from aiormq.abc import DeliveredMessage
+from pamqp import commands as spec_commands
+
+from leveret.shovel.spec import ShovelSpec, client_uri, redact
+
+log = logging.getLogger("leveret.shovel")
+CONNECT_TIMEOUT = 30.0
+CLOSE_TIMEOUT = 5.0
+# aiormq logs each lost connection at warning level with a full traceback; the
+# shovel logs one line with the reason instead (and shows it in /api/shovels).
+logging.getLogger("aiormq").setLevel(logging.ERROR)
+
+
+class Finished(Exception):
+    """src-delete-after reached: the shovel deletes itself."""
+
+
+class Acks:
+    """Source acks coalesced into one ``basic.ack(multiple)`` per loop turn.
+
+    Confirms come back out of order (one task per delivery), so a tag is acked
+    only once every tag below it is settled too: ``floor``. Sending one
+    multiple-ack per turn instead of one frame per message halves the shovel's
+    socket writes (each send cost ~70 us of the ~200 us per message it spent,
+    profiled on this loaded machine).
+    """
+
+    def __init__(self, channel: aiormq.abc.AbstractChannel, failed: Callable[[BaseException], None]) -> None:
+        self.channel = channel
+        self.failed = failed
+        self.floor = 0  # every tag <= floor is settled
+        self.sent = 0  # acked at the source up to here
+        self._settled: set[int] = set()
+        self._scheduled = False
+
+    def settle(self, tag: int) -> None:
+        self._settled.add(tag)
+        while self.floor + 1 in self._settled:
+            self.floor += 1
+            self._settled.discard(self.floor)
+        if self.floor > self.sent and not self._scheduled:
+            self._scheduled = True
+            asyncio.get_running_loop().call_soon(self._spawn)
+
+    def _spawn(self) -> None:
+        asyncio.get_running_loop().create_task(self.flush())
+
+    async def flush(self) -> None:
+        self._scheduled = False
+        if self.floor <= self.sent:
+            return
+        upto, self.sent = self.floor, self.floor
+        try:
+            await self.channel.basic_ack(upto, multiple=True)
+        except Exception as exc:  # noqa: BLE001  the session ends; unacked messages are redelivered
+            self.failed(exc)
+
+
+class ShovelRunner:
+    """Runs one shovel until stopped or finished, reconnecting after ``reconnect-delay`` on any failure."""
+
+    def __init__(self, spec: ShovelSpec, node: str, local_port: int,
+                 on_finished: Callable[[ShovelSpec], None]) -> None:
+        self.spec = spec
+        self.node = node
+        self.local_port = local_port
+        self.on_finished = on_finished
+        self.state = "starting"
+        self.reason = ""  # the last error, shown while terminated
+        self.since = time.time()
+        self.shovelled = 0  # messages acked at the source (or sent, for no-ack) since the shovel started
+        self._remaining: int | None = None  # src-delete-after: messages still to move
+        self._in_flight = 0
+        self._task: asyncio.Task[None] | None = None
+
+    def start(self) -> None:
+        self._task = asyncio.get_running_loop().create_task(self._run(), name=f"shovel {self.spec.name}")
+
+    async def stop(self) -> None:
+        task, self._task = self._task, None
+        if task is not None and not task.done():
+            task.cancel()
+            try:
+                await task
+            except asyncio.CancelledError:
+                pass
+
+    def _set(self, state: str, reason: str = "") -> None:
+        self.state, self.reason, self.since = state, reason, time.time()
+
+    async def _run(self) -> None:
+        spec = self.spec
+        attempt = 0
+        if isinstance(spec.delete_after, int):
+            self._remaining = spec.delete_after
+        while True:
+            uris = (spec.src_uris[attempt % len(spec.src_uris)], spec.dest_uris[attempt % len(spec.dest_uris)])
+            attempt += 1
+            self._set("starting")
+            try:
+                await self._session(*uris)
+            except Finished:
+                log.info("shovel finished (src-delete-after reached)", extra={"vhost": spec.vhost, "shovel": spec.name,
+                                                                               "shovelled": self.shovelled})
+                self._set("terminated", "src-delete-after reached")
+                self.on_finished(spec)
+                return
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:  # noqa: BLE001  any failure of either end: report, wait, reconnect
+                reason = f"{type(exc).__name__}: {exc}"
+                log.warning("shovel terminated; reconnecting", extra={
+                    "vhost": spec.vhost, "shovel": spec.name, "error": reason, "delay": spec.reconnect_delay})
+                self._set("terminated", reason)
+            await asyncio.sleep(spec.reconnect_delay)
+
+    async def _declare(self, conn: aiormq.abc.AbstractConnection, queue: str, args: dict[str, Any]) -> int:
+        """The queue's message count; declared durable (with ``args``) when it does not exist, as RabbitMQ's does."""
+        probe = await conn.channel(publisher_confirms=False)
+        try:
+            ok = await probe.queue_declare(queue, passive=True)
+        except aiormq.exceptions.ChannelNotFoundEntity:
+            probe = await conn.channel(publisher_confirms=False)
+            ok = await probe.queue_declare(queue, durable=True, arguments=args or None)
+        await probe.close()
+        return int(ok.message_count or 0)
+
+    async def _connect(self, uri: str) -> aiormq.abc.AbstractConnection:
+        # A host that drops packets would otherwise keep the shovel "starting" for minutes.
+        return await asyncio.wait_for(aiormq.connect(client_uri(uri, self.local_port)), CONNECT_TIMEOUT)
+
+    @staticmethod
+    async def _close(conn: aiormq.abc.AbstractConnection) -> None:
+        # Closing a connection whose peer died must neither hang nor hide the error that ended the session.
+        with contextlib.suppress(Exception):
+            await asyncio.wait_for(conn.close(), CLOSE_TIMEOUT)
+
+    async def _session(self, src_uri: str, dest_uri: str) -> None:
+        src = await self._connect(src_uri)
+        try:
+            dest = await self._connect(dest_uri)
+            try:
+                await self._shovel(src, dest, src_uri, dest_uri)
+            finally:
+                await self._close(dest)
+        finally:
+            await self._close(src)
+
+    async def _shovel(self, src: aiormq.abc.AbstractConnection, dest: aiormq.abc.AbstractConnection,
+                      src_uri: str, dest_uri: str) -> None:
+        spec = self.spec
+        confirm = spec.ack_mode == "on-confirm"
+        dch = await dest.channel(publisher_confirms=confirm)
+        if spec.dest_queue is not None:
+            await self._declare(dest, spec.dest_queue, dict(spec.dest_queue_args))
+        if spec.src_queue is not None:
+            queue = spec.src_queue
+            count = await self._declare(src, queue, dict(spec.src_queue_args))
+            if spec.delete_after == "queue-length" and self._remaining is None:
+                self._remaining = count
+        sch = await src.channel(publisher_confirms=False)
+        if spec.src_exchange is not None:
+            ok = await sch.queue_declare("", exclusive=True, auto_delete=True)
+            queue = ok.queue or ""
+            await sch.queue_bind(queue, spec.src_exchange, routing_key=spec.src_exchange_key)
+        if self._remaining == 0:
+            raise Finished
+        prefetch = spec.prefetch if self._remaining is None else min(spec.prefetch, self._remaining)
+        await sch.basic_qos(prefetch_count=prefetch)
+        done: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+
+        def failed(exc: BaseException) -> None:
+            if not done.done():
+                done.set_exception(exc)
+
+        acks = Acks(sch, failed)
+        forward = self._forward_header(src_uri, dest_uri) if spec.forward_headers else None
+
+        async def deliver(message: DeliveredMessage) -> None:
+            if self._remaining is not None:
+                if self._remaining <= 0:  # over the count: back to the source, untouched
+                    if spec.ack_mode != "no-ack":
+                        await sch.basic_nack(message.delivery_tag or 0, requeue=True)
+                    return
+                self._remaining -= 1
+            self._in_flight += 1
+            moved = False
+            try:
+                moved = await handle(message)
+            finally:
+                self._in_flight -= 1
+                if not moved and self._remaining is not None:
+                    self._remaining += 1  # not moved (failed or cancelled): its slot is free again
+            if self._remaining == 0 and self._in_flight == 0 and not done.done():
+                await acks.flush()  # the last acks reach the source before the session closes
+                done.set_exception(Finished())  # every counted message is settled at both ends
+
+        async def handle(message: DeliveredMessage) -> bool:
+            props = message.header.properties
+            for attr, value in spec.publish_properties:
+                setattr(props, attr, value)
+            if forward is not None:
+                props.headers = {**(props.headers or {}), "x-shovelled": [forward]}
+            if spec.timestamp_header:
+                props.headers = {**(props.headers or {}), "x-shovelled-timestamp": int(time.time())}
+            exchange, key = self._route(message)
+            try:
+                reply = await dch.basic_publish(message.body, exchange=exchange, routing_key=key, properties=props)
+                if confirm and not isinstance(reply, spec_commands.Basic.Ack):
+                    raise ConnectionError(f"the destination refused the message ({type(reply).__name__})")
+            except Exception as exc:  # noqa: BLE001
+                failed(exc)  # unacked at the source: redelivered to the next session
+                return False
+            if spec.ack_mode != "no-ack":
+                acks.settle(message.delivery_tag or 0)
+            self.shovelled += 1
+            return True
+
+        def cancelled(frame: Any) -> None:
+            # The source cancelled our consumer (its queue was deleted): reconnect, which declares it again.
+            if not done.done():
+                done.set_exception(ConnectionError("the source cancelled the consumer (queue deleted?)"))
+
+        sch.on_consumer_cancel_callbacks.add(cancelled)
+        await sch.basic_consume(queue, deliver, no_ack=spec.ack_mode == "no-ack")
+        self._set("running")
+        log.info("shovel running", extra={"vhost": spec.vhost, "shovel": spec.name, "src": redact(src_uri),
+                                          "dest": redact(dest_uri), "ack_mode": spec.ack_mode})
+        closing = [src.closing, dest.closing, done]
+        try:
+            finished, _ = await asyncio.wait(closing, return_when=asyncio.FIRST_COMPLETED)
+        except asyncio.CancelledError:
+            # Stopped (parameter cleared or changed, node stopping): ack what the destination
+            # confirmed, so the next session does not deliver it again.
+            with contextlib.suppress(Exception):
+                await asyncio.wait_for(acks.flush(), CLOSE_TIMEOUT)
+            raise
+        for fut in finished:
+            if fut is done:
+                done.result()
+            else:
+                exc = fut.exception() if not fut.cancelled() else None
+                raise ConnectionError(f"{'source' if fut is src.closing else 'destination'} connection closed"
+                                      + (f": {exc}" if exc else ""))
+
+    def _route(self, message: DeliveredMessage) -> tuple[str, str]:
+        spec = self.spec
+        delivery = message.delivery
+        key = getattr(delivery, "routing_key", None) or ""
+        if spec.dest_exchange is not None:
+            return spec.dest_exchange, spec.dest_exchange_key if spec.dest_exchange_key is not None else key
+        if spec.dest_queue is not None:
+            return "", spec.dest_queue
+        return getattr(delivery, "exchange", None) or "", key
+
+    def _forward_header(self, src_uri: str, dest_uri: str) -> dict[str, Any]:
+        spec = self.spec
+        out: dict[str, Any] = {"shovel-name": spec.name, "shovel-type": "dynamic", "shovel-vhost": spec.vhost,
+                               "src-uri": redact(src_uri), "dest-uri": redact(dest_uri)}
+        for key, value in (("src-queue", spec.src_queue), ("src-exchange", spec.src_exchange),
+                           ("dest-queue", spec.dest_queue), ("dest-exchange", spec.dest_exchange)):
+            if value is not None:
+                out[key] = value
+        return out
+
+    def status(self) -> dict[str, Any]:
+        """RabbitMQ's /api/shovels entry for this shovel."""
+        spec = self.spec
+        out: dict[str, Any] = {
+            "node": self.node, "name": spec.name, "vhost": spec.vhost, "type": "dynamic", "state": self.state,
+            "timestamp": time.strftime("%Y-%m-%d %H:%M:%S", time.gmtime(self.since)),
+            "src_protocol": "amqp091", "dest_protocol": "amqp091",
+            "src_uri": redact(spec.src_uris[0]), "dest_uri": redact(spec.dest_uris[0]),
+            "blocked_status": self.state, "messages_shovelled": self.shovelled,
+        }
+        for key, value in (("src_queue", spec.src_queue), ("src_exchange", spec.src_exchange),
+                           ("dest_queue", spec.dest_queue), ("dest_exchange", spec.dest_exchange)):
+            if value is not None:
+                out[key] = value
+        if spec.src_exchange is not None:
+            out["src_exchange_key"] = spec.src_exchange_key
+        if spec.dest_exchange is not None and spec.dest_exchange_key is not None:
+            out["dest_exchange_key"] = spec.dest_exchange_key
+        if self.reason:
+            out["reason"] = self.reason
+        return out
