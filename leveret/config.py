@@ -27,6 +27,8 @@ class NodeConfig:
     postgres_dsn: str = ""
     memory_high_watermark: float = 0.4
     stream_memory_bytes: int = 64 * 1024 * 1024
+    queue_memory_bytes: int = 64 * 1024 * 1024
+    queue_memory_node_bytes: int = 1024 * 1024 * 1024
     default_user: str = "guest"
     default_pass: str = "guest"
     etcd: str = ""
@@ -86,6 +88,10 @@ HELP = {
     "of RAM (<= 1) or bytes (> 1)",
     "stream_memory_bytes": "bytes of message bodies each stream keeps in memory (its newest); older ones are "
     "read back from the store in pages",
+    "queue_memory_bytes": "bytes of ready message bodies each classic queue keeps in memory; the rest wait in "
+    "segment files under --data-dir and are read back in pages ahead of consumers (docs/notes/paging.md)",
+    "queue_memory_node_bytes": "bytes of ready message bodies all classic queues of the node keep in memory "
+    "together; past it the largest queues page out (0: no node-wide cap)",
     "default_user": "user created at start, allowed from loopback only (as RabbitMQ's guest)",
     "default_pass": "password of the default user",
     "etcd": "comma-separated etcd endpoints (http://host:port); turns on cluster mode (needs --store postgres)",

@@ -17,6 +17,7 @@ from amqp_frontend.server import AMQPServer
 from coordination.local import LocalCoordinator
 from core.durable.durability import Durability
 from core.durable.group_commit import GroupCommitter
+from core.engine import paging
 from core.engine.broker import Broker
 from core.engine.stream import StreamQueue
 from core.ports.store import MessageStore, StoreError
@@ -80,6 +81,8 @@ class Node:
         self.policy_watch: PolicyWatch | None = None
         self.started_at = time.monotonic()
         StreamQueue.memory_limit = config.stream_memory_bytes
+        paging.configure(config.queue_memory_bytes, config.queue_memory_node_bytes,
+                         str(Path(config.data_dir) / "paging"))
 
     def _save_rehashed(self, user: User) -> None:
         """A login replaced an old password record (core/engine/passwords.py): keep the new one."""
@@ -300,7 +303,7 @@ class Node:
     def queued_bytes(self) -> int:
         # A stream's retained log is held in memory too (core/stream.py): it counts.
         return sum(
-            ch.ready_bytes for vh in self.broker.vhosts.values() for q in vh.queues.values() for ch in q.channels
+            ch.memory_bytes for vh in self.broker.vhosts.values() for q in vh.queues.values() for ch in q.channels
         ) + sum(q.mem_bytes for vh in self.broker.vhosts.values() for q in vh.queues.values()
                 if isinstance(q, StreamQueue))
 
@@ -314,6 +317,10 @@ class Node:
         limit = self.watermark_bytes()
         while True:
             await asyncio.sleep(0.5)
+            # Paged queues hold only their window in memory (core/engine/paging.py): the node-wide
+            # cap pages the largest ones out before the alarm would block publishers.
+            paging.enforce_node_cap((ch for vh in self.broker.vhosts.values() for q in vh.queues.values()
+                                     for ch in q.channels), paging.settings.node_bytes)
             used = self.queued_bytes()
             if used > limit and not self.broker.memory_alarm:
                 log.warning("memory high watermark reached", extra={"queued_bytes": used, "limit": limit})

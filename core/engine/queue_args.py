@@ -25,6 +25,7 @@ class QueueArgs:
     queue_type: str = "classic"
     max_age: float | None = None  # seconds; streams only (x-max-age)
     delivery_limit: int | None = None  # a message returned more often than this is dead-lettered
+    lazy: bool = False  # x-queue-mode lazy (or the queue-mode policy): pages from the first message
 
 
 def _type_name(value: Any) -> str:
@@ -104,7 +105,17 @@ def parse_queue_args(arguments: dict[str, Any], queue: str, vhost: str) -> Queue
         single_active_consumer=sac,
         queue_type=queue_type,
         delivery_limit=integer("x-delivery-limit", 0),
+        lazy=_queue_mode(string("x-queue-mode"), invalid),
     )
+
+
+def _queue_mode(mode: str | None, invalid: Any) -> bool:
+    """x-queue-mode: default or lazy, as RabbitMQ 3.x (lazy: paged from the first message)."""
+    if mode is None or mode == "default":
+        return False
+    if mode == "lazy":
+        return True
+    raise invalid("x-queue-mode", f"{{unacceptable_value,{mode}}}")
 
 
 KNOWN = frozenset(
@@ -120,9 +131,8 @@ KNOWN = frozenset(
         "x-single-active-consumer",
         "x-queue-type",
         "x-delivery-limit",
-        # Storage hints with no meaning for an in-memory classic queue; accepted
-        # because RabbitMQ tooling sets them routinely.
-        "x-queue-mode",
+        "x-queue-mode",  # lazy pages from the first message (core/engine/paging.py)
+        # Storage hints with no meaning here; accepted because RabbitMQ tooling sets them routinely.
         "x-queue-master-locator",
         "x-queue-version",
     }
