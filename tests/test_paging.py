@@ -15,9 +15,9 @@ from core.durable.group_commit import GroupCommitter
 from core.engine import paging
 from core.engine.broker import Broker
 from core.engine.paging import PagedReady
+from core.engine.policy import effective_queue_args
 from core.engine.queue import EXPIRED, MAXLEN, Queue, QueuedMessage
 from core.engine.queue_args import QueueArgs, parse_queue_args
-from core.engine.policy import effective_queue_args
 from core.model import properties
 from core.model.clock import ManualScheduler
 from core.model.errors import PreconditionFailed
