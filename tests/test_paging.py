@@ -309,3 +309,11 @@ def test_segments_rotate_and_are_removed_as_they_are_read(small_budget: Path, mo
     assert got == list(range(100)) and not ready
     ready.close()
     assert segment_files(small_budget) == []
+
+
+def test_the_node_start_empties_what_a_previous_run_spilled(small_budget: Path) -> None:
+    q = Queue("q", "/")
+    fill(q, 300)
+    assert segment_files(small_budget)
+    paging.configure(10 * BODY, 0, str(small_budget))  # as a restarted node does: never reloaded
+    assert segment_files(small_budget) == []
