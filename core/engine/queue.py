@@ -506,8 +506,9 @@ class QueueChannel:
 
     def _page_out(self) -> None:
         ready = self.ready
-        if type(ready) is not deque or self.queue.remote is not None:
-            # A proxy's ready copies belong to the owner's subscription: they stay in memory.
+        if type(ready) is not deque or (self.queue.remote is not None and ready and ready[0].link is not None):
+            # A proxy's ready copies belong to the owner's subscription: they stay in memory. (Behind
+            # a loading gate the queue's own backlog is restored: that one pages.)
             return
         self.ready = PagedReady(ready, self.ready_bytes, self.page_budget)
         self.page_at = NEVER
@@ -517,7 +518,7 @@ class QueueChannel:
         ready = self.ready
         if type(ready) is PagedReady:
             ready.shrink(min(keep, self.page_budget))
-        elif type(ready) is deque and self.queue.remote is None and ready:
+        elif type(ready) is deque and ready and ready[0].link is None:
             self.ready = PagedReady(ready, self.ready_bytes, min(keep, self.page_budget))
             self.page_at = NEVER
 
