@@ -317,3 +317,15 @@ def test_the_node_start_empties_what_a_previous_run_spilled(small_budget: Path) 
     assert segment_files(small_budget)
     paging.configure(10 * BODY, 0, str(small_budget))  # as a restarted node does: never reloaded
     assert segment_files(small_budget) == []
+
+
+def test_a_lazy_queue_read_back_entirely_holds_no_file(small_budget: Path) -> None:
+    q = Queue("q", "/", args=QueueArgs(lazy=True))
+    fill(q, 30)
+    assert segment_files(small_budget)
+    sink = FakeSink()
+    consumer(q, sink, "c", no_ack=True)
+    assert numbers(sink) == list(range(30))
+    assert isinstance(q.default.ready, PagedReady) and segment_files(small_budget) == []
+    fill(q, 3, 30)  # and it goes on
+    assert numbers(sink)[-3:] == [30, 31, 32]

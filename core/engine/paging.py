@@ -285,6 +285,10 @@ class PagedReady:
         self.head = 0
         self.paged_bytes = 0
         self.taken.clear()
+        # Nothing left to read: close and remove the files now (a lazy queue that is idle holds
+        # no file descriptor), the next spill starts a fresh segment.
+        self.log.close()
+        self.log = SegmentLog()
 
     def popleft(self) -> QueuedMessage:
         if not self.mem and self.paged:
