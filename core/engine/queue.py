@@ -506,6 +506,8 @@ class QueueChannel:
 
     def _page_out(self) -> None:
         ready = self.ready
+        if self._dispatching:
+            return  # dispatch holds the deque (a dead-letter cycle back here): the next push pages
         if type(ready) is not deque or (self.queue.remote is not None and ready and ready[0].link is not None):
             # A proxy's ready copies belong to the owner's subscription: they stay in memory. (Behind
             # a loading gate the queue's own backlog is restored: that one pages.)
