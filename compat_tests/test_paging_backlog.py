@@ -16,6 +16,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pika
+import pika.exceptions
 import pytest
 
 from compat_tests.backlog import drain, publish_backlog, rss_bytes
@@ -105,3 +106,21 @@ def test_kill_9_mid_backlog_loses_no_confirmed_message_and_duplicates_none(node:
     assert not missing, f"{len(missing)} confirmed messages lost, e.g. {sorted(missing)[:5]}"
     assert delivered == list(range(1, 101))
     assert all(got.redelivered[: 100])  # delivered before the kill: redelivered now
+
+
+def test_kill_9_mid_transient_backlog_restarts_with_no_spill_left(node: NodeProcess) -> None:
+    node.start()
+    declare(node, "backlog", durable=False)
+    run = asyncio.run(publish_backlog(node.amqp_port, "backlog", N, SIZE, 1, kill_after=N // 2, kill=node.send_kill))
+    assert node.proc is not None and node.proc.wait(30) is not None
+    assert run.confirmed >= N // 2
+    node.start()
+    assert spill_files(node) == []  # never reloaded: transient messages do not survive a restart
+    conn = pika.BlockingConnection(pika.URLParameters(node.url))
+    try:
+        with pytest.raises(pika.exceptions.ChannelClosedByBroker) as info:
+            conn.channel().queue_declare("backlog", passive=True)
+        assert info.value.reply_code == 404
+    finally:
+        with contextlib.suppress(Exception):
+            conn.close()
