@@ -28,6 +28,8 @@ class NodeConfig:
     memory_high_watermark: float = 0.4
     disk_free_limit: str = "50MB"
     stream_memory_bytes: int = 64 * 1024 * 1024
+    queue_memory_bytes: int = 64 * 1024 * 1024
+    queue_memory_node_bytes: int = 1024 * 1024 * 1024
     default_user: str = "guest"
     default_pass: str = "guest"
     etcd: str = ""
@@ -90,6 +92,10 @@ HELP = {
     "disk_free_limit: bytes with a unit (50MB, 2GiB) or relative to RAM (mem_relative:1.5)",
     "stream_memory_bytes": "bytes of message bodies each stream keeps in memory (its newest); older ones are "
     "read back from the store in pages",
+    "queue_memory_bytes": "bytes of ready message bodies each classic queue keeps in memory; the rest wait in "
+    "segment files under --data-dir and are read back in pages ahead of consumers (docs/notes/paging.md)",
+    "queue_memory_node_bytes": "bytes of ready message bodies all classic queues of the node keep in memory "
+    "together; past it the largest queues page out (0: no node-wide cap)",
     "default_user": "user created at start, allowed from loopback only (as RabbitMQ's guest)",
     "default_pass": "password of the default user",
     "etcd": "comma-separated etcd endpoints (http://host:port); turns on cluster mode (needs --store postgres)",

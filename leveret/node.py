@@ -18,6 +18,7 @@ from amqp_frontend.server import AMQPServer
 from coordination.local import LocalCoordinator
 from core.durable.durability import Durability
 from core.durable.group_commit import GroupCommitter
+from core.engine import paging
 from core.engine.alarms import DISK, MEMORY
 from core.engine.broker import Broker
 from core.engine.stream import StreamQueue
@@ -88,6 +89,8 @@ class Node:
         self.shovels: ShovelManager | None = None
         self.started_at = time.monotonic()
         StreamQueue.memory_limit = config.stream_memory_bytes
+        paging.configure(config.queue_memory_bytes, config.queue_memory_node_bytes,
+                         str(Path(config.data_dir) / "paging"))
 
     def _save_rehashed(self, user: User) -> None:
         """A login replaced an old password record (core/engine/passwords.py): keep the new one."""
@@ -341,6 +344,10 @@ class Node:
         disk_limit = self.disk_free_limit_bytes()
         while True:
             await asyncio.sleep(0.5)
+            # Paged queues hold only their window in memory (core/engine/paging.py): the node-wide
+            # cap pages the largest ones out before the alarm would block publishers.
+            paging.enforce_node_cap((ch for vh in self.broker.vhosts.values() for q in vh.queues.values()
+                                     for ch in q.channels), paging.settings.node_bytes)
             use = resources.memory_use(self.broker, self.amqp)
             used = use.total
             if used > limit and not self.broker.memory_alarm:

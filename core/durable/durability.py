@@ -65,6 +65,10 @@ class QueueStorage:
     def remove(self, qm: QueuedMessage) -> None:
         self.committer.remove(self, qm.offset)
 
+    def remove_offset(self, offset: int) -> None:
+        """Remove a message known by its offset only (one paged out to disk: core/engine/paging.py)."""
+        self.committer.remove(self, offset)
+
     def delivery_count(self, qm: QueuedMessage) -> None:
         self.committer.update_delivery_count(self, qm.offset, qm.delivery_count)
 
@@ -161,12 +165,24 @@ class Durability:
         if isinstance(q, StreamQueue):
             return await self.restore_stream(q, node)
         assert q.storage is not None
-        stored = await self.store.load_messages(q.storage.vhost, q.storage.name)
-        if not q.lease_valid():
-            return 0  # the lease ran out while the store answered: the queue was given up meanwhile
-        for sm in stored:
-            q.restore(_restored(sm, node), sm.offset, sm.expires_at, sm.delivery_count)
-        return len(stored)
+        # In pages, as a stream: a backlog larger than memory pages out (core/engine/paging.py)
+        # as it is restored, instead of being held whole in one list first.
+        loaded = 0
+        start = 0
+        limit = 256
+        while True:
+            page = await self.store.load_range(q.storage.vhost, q.storage.name, start, None, limit)
+            if not q.lease_valid() or q.storage is None:
+                return loaded  # the lease ran out while the store answered: the queue was given up meanwhile
+            size = 0
+            for sm in page:
+                q.restore(_restored(sm, node), sm.offset, sm.expires_at, sm.delivery_count)
+                size += len(sm.body)
+            loaded += len(page)
+            if len(page) < limit:
+                return loaded
+            start = page[-1].offset + 1
+            limit = min(limit * 2, RESTORE_PAGE) if size < RESTORE_PAGE_BYTES else max(1, limit // 2)
 
     async def restore_stream(self, q: StreamQueue, node: str) -> int:
         """A stream's log in pages (only its newest part stays in memory), then its groups' offsets.

@@ -75,6 +75,8 @@ def effective_queue_args(
         for key, (attr, arg) in _ARGUMENT_WINS.items():
             if key in d and arg not in arguments:
                 changes[attr] = d[key]
+        if "queue-mode" in d and "x-queue-mode" not in arguments:
+            changes["lazy"] = d["queue-mode"] == "lazy"  # the argument wins, as in RabbitMQ
     return dataclasses.replace(parsed, **changes) if changes else parsed
 
 

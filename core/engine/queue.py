@@ -14,7 +14,9 @@ from collections import deque
 from collections.abc import Callable, Iterable, Sequence
 from typing import TYPE_CHECKING, Any, Protocol
 
+from core.engine import paging
 from core.engine.flow import FLOW_HIGH, FLOW_LOW, QueueFlow
+from core.engine.paging import NEVER, PagedReady
 from core.engine.queue_args import QueueArgs
 from core.engine.ready import PriorityReady, requeue_into, take_offsets
 from core.model import properties
@@ -85,7 +87,7 @@ class QueueChannel:
         self.name = name
         self.accepts = topic_filter
         max_priority = queue.args.max_priority
-        self.ready: deque[QueuedMessage] | PriorityReady = (
+        self.ready: deque[QueuedMessage] | PriorityReady | PagedReady = (
             PriorityReady(max_priority) if max_priority else deque()
         )
         self.consumers: list[Consumer] = []
@@ -103,6 +105,11 @@ class QueueChannel:
         self._expiry_at = 0.0
         # Flow control (core/engine/flow.py): publishers held while consumers fall behind.
         self.flow = QueueFlow(self)
+        # Paging (core/engine/paging.py): once ready_bytes passes page_at the deque becomes a
+        # PagedReady whose window holds at most page_budget bytes (page_at is then NEVER).
+        self.page_budget = NEVER
+        self.page_at = NEVER
+        self.set_paging()
 
     # -- arrival ---------------------------------------------------------------
     def push(self, qm: QueuedMessage) -> None:
@@ -117,6 +124,9 @@ class QueueChannel:
         ready = self.ready
         ready.append(qm)
         self.ready_bytes += len(qm.message.body)
+        if self.ready_bytes > self.page_at:
+            self._page_out()
+            ready = self.ready
         if self.consumers:
             if not self._dispatching:
                 self.dispatch()
@@ -156,6 +166,9 @@ class QueueChannel:
             if qm.expires_at is not None:
                 expiring = True
         self.ready_bytes += size
+        if self.ready_bytes > self.page_at:
+            self._page_out()
+            ready = self.ready
         if self.consumers:
             if not self._dispatching:
                 self.dispatch()
@@ -228,6 +241,8 @@ class QueueChannel:
             flow = self.flow
             if (flow.behind or flow.stalled) and len(ready) <= FLOW_LOW:
                 flow.at_low()
+            if type(ready) is PagedReady and not ready.paged and self.ready_bytes <= self.page_budget // 2:
+                self._unpage(ready)  # drained: back to the plain deque of the in-memory hot path
         finally:
             self._dispatching = False
 
@@ -401,10 +416,10 @@ class QueueChannel:
             return
         back.sort(key=_offset)
         ready = self.ready
-        if isinstance(ready, PriorityReady):
-            ready.requeue(back)
-        else:
+        if isinstance(ready, deque):
             requeue_into(ready, back)
+        else:
+            ready.requeue(back)  # a priority list, or a paged one (into its window)
         self.dispatch()
         self._arm_expiry()
 
@@ -439,23 +454,107 @@ class QueueChannel:
             self.dispatch()
 
     def purge(self) -> int:
-        n = len(self.ready)
-        if self.queue.storage is not None:
-            for qm in self.ready:
+        ready = self.ready
+        n = len(ready)
+        storage = self.queue.storage
+        if storage is not None:
+            for qm in ready:
                 if qm.persisted:
                     self.queue.forget(qm)
-        self.ready.clear()
-        self.ready_bytes = 0
+            if type(ready) is PagedReady:
+                for offset in ready.spilled_persisted():
+                    storage.remove_offset(offset)
+        self.clear_ready()
         self.flow_recheck()
         return n
+
+    def clear_ready(self) -> None:
+        """Forget every ready message (and any segment file of this channel)."""
+        ready = self.ready
+        if type(ready) is PagedReady:
+            ready.close()
+            self.ready = deque()
+            self.set_paging()
+        else:
+            ready.clear()
+        self.ready_bytes = 0
 
     def take_offsets(self, offsets: set[int]) -> list[QueuedMessage]:
         """Remove the ready messages with these offsets (retention) and return them."""
         ready = self.ready
-        taken = ready.take_offsets(offsets) if isinstance(ready, PriorityReady) else take_offsets(ready, offsets)
+        if isinstance(ready, PagedReady):
+            taken, spilled = ready.take_offsets(offsets)
+            for offset, persisted, size in spilled:
+                # Spilled: not read back, so a stand-in carries what drop_offsets needs (offset, persisted).
+                stand_in = QueuedMessage(_SPILLED, offset)
+                stand_in.persisted = persisted
+                taken.append(stand_in)
+                self.ready_bytes -= size
+        elif isinstance(ready, PriorityReady):
+            taken = ready.take_offsets(offsets)
+        else:
+            taken = take_offsets(ready, offsets)
         for qm in taken:
             self.ready_bytes -= len(qm.message.body)
         return taken
+
+    # -- paging (core/engine/paging.py) ---------------------------------------------
+    @property
+    def pageable(self) -> bool:
+        return self.page_budget != NEVER
+
+    @property
+    def memory_bytes(self) -> int:
+        """Bytes of ready bodies held in memory (the memory alarm's share of this channel)."""
+        ready = self.ready
+        return ready.mem_bytes if type(ready) is PagedReady else self.ready_bytes
+
+    def set_paging(self) -> None:
+        """(Re)read the budget: the node's per-queue one, 0 for lazy queues; priority queues never page."""
+        queue = self.queue
+        if isinstance(self.ready, PriorityReady) or queue.args.queue_type != "classic":
+            budget = NEVER
+        elif queue.args.lazy:
+            budget = 0
+        else:
+            budget = paging.settings.queue_bytes
+        self.page_budget = budget
+        ready = self.ready
+        if type(ready) is PagedReady:
+            ready.shrink(budget)
+            self.page_at = NEVER
+        else:
+            self.page_at = budget
+            if self.ready_bytes > budget:
+                self._page_out()
+
+    def _page_out(self) -> None:
+        ready = self.ready
+        if self._dispatching:
+            return  # dispatch holds the deque (a dead-letter cycle back here): the next push pages
+        if type(ready) is not deque or (self.queue.remote is not None and ready and ready[0].link is not None):
+            # A proxy's ready copies belong to the owner's subscription: they stay in memory. (Behind
+            # a loading gate the queue's own backlog is restored: that one pages.)
+            return
+        self.ready = PagedReady(ready, self.ready_bytes, self.page_budget)
+        self.page_at = NEVER
+
+    def page_down(self, keep: int) -> None:
+        """The node is over its cap: hold at most ``keep`` bytes of bodies in memory."""
+        ready = self.ready
+        if type(ready) is PagedReady:
+            ready.shrink(min(keep, self.page_budget))
+        elif type(ready) is deque and ready and ready[0].link is None:
+            self.ready = PagedReady(ready, self.ready_bytes, min(keep, self.page_budget))
+            self.page_at = NEVER
+
+    def _unpage(self, ready: PagedReady) -> None:
+        if self.page_budget == 0:
+            return  # lazy: stays paged
+        self.ready = ready.mem
+        ready.mem = deque()
+        ready.close()
+        self.page_at = self.page_budget
 
     def drop_head(self) -> QueuedMessage:
         qm = self.ready.popleft()
@@ -478,6 +577,9 @@ class QueueChannel:
 def _offset(qm: QueuedMessage) -> int:
     return qm.offset
 
+
+# The message of a stand-in for a spilled message retention removed (see QueueChannel.take_offsets).
+_SPILLED = Message("", "", b"\x00\x00", b"")
 
 # Dead-letters ``messages``; returns those no queue took (ids), which at-least-once keeps.
 DeadLetterFn = Callable[["Queue", list[QueuedMessage], str], "set[int]"]
@@ -667,6 +769,9 @@ class Queue:
             self.touch()
         if self._limited and self.remote is None and not self.deleted:
             self._drop_over_limit()
+        if args.lazy != old.lazy:
+            for ch in self.channels:
+                ch.set_paging()
 
     def forget(self, qm: QueuedMessage) -> None:
         """``qm`` left the queue for good: remove it from the store."""
@@ -886,8 +991,7 @@ class Queue:
         """Forget every ready message and its timers: a new owner's copy comes from the store."""
         for ch in self.channels:
             ch.cancel_timers()
-            ch.ready.clear()
-            ch.ready_bytes = 0
+            ch.clear_ready()
 
     def stop_serving(self) -> None:
         """This node no longer owns the queue: no lease, no store, nothing ready here.

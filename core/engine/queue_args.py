@@ -45,6 +45,7 @@ class QueueArgs:
     @property
     def quorum(self) -> bool:
         return self.queue_type == "quorum"
+    lazy: bool = False  # x-queue-mode lazy (or the queue-mode policy): pages from the first message
 
 
 def _type_name(value: Any) -> str:
@@ -149,6 +150,7 @@ def parse_queue_args(arguments: dict[str, Any], queue: str, vhost: str) -> Queue
         dead_letter_strategy=strategy,
         leader_locator=locator,
         initial_group_size=integer("x-quorum-initial-group-size", 1),
+        lazy=_queue_mode(string("x-queue-mode"), invalid),
     )
 
 
@@ -176,6 +178,15 @@ def quorum_args(args: QueueArgs) -> QueueArgs:
     return dataclasses.replace(args, **changes) if changes else args
 
 
+def _queue_mode(mode: str | None, invalid: Any) -> bool:
+    """x-queue-mode: default or lazy, as RabbitMQ 3.x (lazy: paged from the first message)."""
+    if mode is None or mode == "default":
+        return False
+    if mode == "lazy":
+        return True
+    raise invalid("x-queue-mode", f"{{unacceptable_value,{mode}}}")
+
+
 KNOWN = frozenset(
     {
         "x-message-ttl",
@@ -192,9 +203,8 @@ KNOWN = frozenset(
         "x-dead-letter-strategy",
         "x-queue-leader-locator",
         "x-quorum-initial-group-size",
-        # Storage hints with no meaning for an in-memory classic queue; accepted
-        # because RabbitMQ tooling sets them routinely.
-        "x-queue-mode",
+        "x-queue-mode",  # lazy pages from the first message (core/engine/paging.py)
+        # Storage hints with no meaning here; accepted because RabbitMQ tooling sets them routinely.
         "x-queue-master-locator",
         "x-queue-version",
     }
