@@ -44,6 +44,7 @@ class NodeConfig:
     tls_fail_if_no_peer_cert: bool = False
     grpc_tls: bool = False
     cluster_port: int = 25672
+    advertise_cluster_port: int = 0
     cluster_secret_file: str = ""
     cluster_tls_cert: str = ""
     cluster_tls_key: str = ""
@@ -104,6 +105,8 @@ HELP = {
     "tls_fail_if_no_peer_cert": "with --tls-verify peer, refuse clients that present no certificate",
     "grpc_tls": "serve the gRPC API over TLS only, with --tls-cert/--tls-key (client certificates as for AMQPS)",
     "cluster_port": "internal node-to-node listener (cluster mode only); never the public gRPC port",
+    "advertise_cluster_port": "port other nodes dial for --cluster-port when it is forwarded or proxied "
+    "(0: --cluster-port itself)",
     "cluster_secret_file": "file holding the secret every node of the cluster shares (as RabbitMQ's Erlang "
     "cookie); cluster mode needs it or --cluster-tls-*",
     "cluster_tls_cert": "PEM certificate of this node for mutual TLS between nodes",
