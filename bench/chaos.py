@@ -29,6 +29,7 @@ import contextlib
 import logging
 import random
 import sys
+import tempfile
 import threading
 import time
 from collections.abc import Callable, Coroutine, Sequence
@@ -39,12 +40,14 @@ from typing import Any, TypeVar
 from psycopg.conninfo import make_conninfo
 
 from bench.chaos_check import Result, check, serving_intervals, worst_gap
+from bench.chaos_disk import report_lines, run_disk
 from bench.chaos_load import Load
 from bench.chaos_proxy import Proxy
 from compat_tests.cluster_process import Cluster, ClusterNode
 from compat_tests.node_process import RestartablePostgres
 
-FAULTS = ("kill", "stop", "etcd", "pg", "partition")
+FAULTS = ("kill", "stop", "etcd", "pg", "partition", "disk")
+CLUSTER_FAULTS = FAULTS[:-1]  # disk is a single-node scenario of its own (bench/chaos_disk.py)
 QUEUES = [f"chaos-{i}" for i in range(6)]
 REPORT = Path(__file__).resolve().parent.parent / "docs" / "RELIABILITY.md"
 DRAIN_TIMEOUT = 60.0
@@ -292,8 +295,8 @@ class Chaos:
         self.bg.call(load.start)
         started = time.time()
         time.sleep(args.duration_per_cycle)
-        faults = args.faults
-        for cycle in range(args.cycles):
+        faults = [f for f in args.faults if f in CLUSTER_FAULTS]
+        for cycle in range(args.cycles if faults else 0):
             fault = self.inject(faults[cycle % len(faults)] if args.round_robin else self.rng.choice(faults))
             t0 = time.monotonic()
             while not self.healthy() and time.monotonic() - t0 < 60:
@@ -407,6 +410,7 @@ def parse(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--rate", type=float, default=50.0, help="messages/s per publisher (3 publishers)")
     p.add_argument("--lease-ttl", type=int, default=2)
     p.add_argument("--pg-outage", type=float, default=10.0, help="seconds Postgres is unreachable (pg fault)")
+    p.add_argument("--disk-limit-mb", type=float, default=16.0, help="file-size limit of the disk scenario")
     p.add_argument("--round-robin", action="store_true", help="faults in turn instead of at random")
     p.add_argument("--report", action="store_true", help=f"append the report to {REPORT}")
     p.add_argument("--keep", action="store_true", help="keep the cluster's work directory (logs)")
@@ -422,12 +426,20 @@ def parse(argv: Sequence[str] | None = None) -> argparse.Namespace:
 
 def run(args: argparse.Namespace) -> tuple[Result, str]:
     _quiet_clients()
-    chaos = Chaos(args)
-    try:
-        result = chaos.main()
-        text = report(chaos, result)
-    finally:
-        chaos.close()
+    result, text = Result(), f"\n## Chaos run {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}\n"
+    if any(f in CLUSTER_FAULTS for f in args.faults):
+        chaos = Chaos(args)
+        try:
+            result = chaos.main()
+            text = report(chaos, result)
+        finally:
+            chaos.close()
+    if "disk" in args.faults:
+        with tempfile.TemporaryDirectory(prefix="leveret-chaos-disk-") as tmp:
+            disk = run_disk(Path(tmp), args.disk_limit_mb)
+        for v in disk.violations:
+            result.add("disk", v)
+        text += "\n".join(report_lines(disk)) + "\n"
     return result, text
 
 

@@ -14,6 +14,7 @@
 from __future__ import annotations
 
 from collections import defaultdict
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import datetime
 
@@ -48,7 +49,7 @@ def log_time(ts: str) -> float:
     return datetime.strptime(ts.rstrip("Z") + "+0000", "%Y-%m-%dT%H:%M:%S.%f%z").timestamp()
 
 
-def serving_intervals(records: dict[str, list[dict[str, object]]], ends: dict[str, list[float]],
+def serving_intervals(records: Mapping[str, Sequence[Mapping[str, object]]], ends: dict[str, list[float]],
                       queues: set[str], run_end: float) -> list[Interval]:
     """Per node, when it served each queue: from ``serving queue`` to ``stopped serving queue`` /
     ``stopping serving owned queues`` / its process's end (``ends[node]``: each start's end time)."""
