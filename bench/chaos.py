@@ -42,12 +42,15 @@ from psycopg.conninfo import make_conninfo
 from bench.chaos_check import Result, check, serving_intervals, worst_gap
 from bench.chaos_disk import report_lines, run_disk
 from bench.chaos_load import Load
+from bench.chaos_pg import PgPair
 from bench.chaos_proxy import Proxy
 from compat_tests.cluster_process import Cluster, ClusterNode
-from compat_tests.node_process import RestartablePostgres
 
-FAULTS = ("kill", "stop", "etcd", "pg", "partition", "disk")
-CLUSTER_FAULTS = FAULTS[:-1]  # disk is a single-node scenario of its own (bench/chaos_disk.py)
+FAULTS = ("kill", "stop", "etcd", "pg", "partition", "promote", "disk")
+CYCLE_FAULTS = FAULTS[:5]  # drawn at random each cycle
+# promote (the Postgres primary replaced by its standby) runs once, after the cycles;
+# disk is a single-node scenario of its own (bench/chaos_disk.py).
+CLUSTER_FAULTS = FAULTS[:6]
 QUEUES = [f"chaos-{i}" for i in range(6)]
 REPORT = Path(__file__).resolve().parent.parent / "docs" / "RELIABILITY.md"
 DRAIN_TIMEOUT = 60.0
@@ -87,13 +90,18 @@ class ChaosNode(ClusterNode):
         cmd = super().command()
         self.peer_proxy.target_port = self.cluster_port  # fresh each start
         cmd[cmd.index("--etcd") + 1] = f"http://127.0.0.1:{self.etcd_proxy.port}"
-        cmd[cmd.index("--postgres-dsn") + 1] = make_conninfo(self.cluster.dsn, host="127.0.0.1",
-                                                             port=str(self.pg_proxy.port))
+        standby = self.cluster.pg_server.standby  # type: ignore[attr-defined]
+        if standby is None:
+            dsn = make_conninfo(self.cluster.dsn, host="127.0.0.1", port=str(self.pg_proxy.port))
+        else:  # both hosts: libpq takes the first that accepts writes (the standby once promoted)
+            dsn = make_conninfo(self.cluster.dsn, host="127.0.0.1,127.0.0.1",
+                                port=f"{self.pg_proxy.port},{standby.port}", target_session_attrs="read-write")
+        cmd[cmd.index("--postgres-dsn") + 1] = dsn
         return [*cmd, "--advertise-cluster-port", str(self.peer_proxy.port)]
 
 
 class ChaosCluster(Cluster):
-    def __init__(self, bg: Background, pg_server: RestartablePostgres, **kw: Any) -> None:
+    def __init__(self, bg: Background, pg_server: PgPair, **kw: Any) -> None:
         super().__init__(postgres_dsn=pg_server.dsn, **kw)
         self.bg = bg
         self.pg_server = pg_server
@@ -148,7 +156,7 @@ class Chaos:
         self.rng = random.Random(args.seed)
         self.run = Run()
         self.bg = Background()
-        self.pg = RestartablePostgres()
+        self.pg = PgPair(standby="promote" in args.faults, sync_standby=args.sync_standby)
         self.cluster: ChaosCluster | None = None
         self.load: Load | None = None
 
@@ -263,6 +271,15 @@ class Chaos:
             time.sleep(hold)
             self.bg.call(heal)
             fault.variant, fault.hold = "cut off from etcd and peers (blackholed)", hold
+        elif kind == "promote":
+            assert self.pg.standby is not None
+            self.pg.primary.kill()
+            time.sleep(1.0)  # an operator's (or a failover manager's) reaction time
+            self.pg.standby.promote()
+            fault.variant = "primary kill -9, standby promoted (" + (
+                "synchronous_standby_names='*', synchronous_commit=on)" if self.pg.sync_standby
+                else "asynchronous replication)")
+            fault.hold = 1.0
         fault.end = time.time()
         self.run.faults.append(fault)
         return fault
@@ -295,7 +312,7 @@ class Chaos:
         self.bg.call(load.start)
         started = time.time()
         time.sleep(args.duration_per_cycle)
-        faults = [f for f in args.faults if f in CLUSTER_FAULTS]
+        faults = [f for f in args.faults if f in CYCLE_FAULTS]
         for cycle in range(args.cycles if faults else 0):
             fault = self.inject(faults[cycle % len(faults)] if args.round_robin else self.rng.choice(faults))
             t0 = time.monotonic()
@@ -306,6 +323,13 @@ class Chaos:
             time.sleep(args.duration_per_cycle)
             self.log(f"cycle {cycle + 1}/{args.cycles} done: {len(load.record.confirmed)} confirmed, "
                      f"{len(load.record.deliveries)} delivered")
+        if "promote" in args.faults:
+            self.inject("promote")
+            t0 = time.monotonic()
+            while not self.healthy() and time.monotonic() - t0 < 60:
+                time.sleep(0.2)
+            self.run.recoveries.append(("promote", time.monotonic() - t0))
+            time.sleep(args.duration_per_cycle)
         self.check_processes()
         self.bg.call(load.stop_publishing.set)
         stopped = time.time()
@@ -358,12 +382,13 @@ def report(chaos: Chaos, result: Result) -> str:
         f"\n## Chaos run {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}\n",
         f"`python -m bench.chaos --cycles {a.cycles} --seed {a.seed} --faults {','.join(a.faults)} "
         f"--duration-per-cycle {a.duration_per_cycle:g} --rate {a.rate:g} --lease-ttl {a.lease_ttl} "
-        f"--pg-outage {a.pg_outage:g}`: 3 nodes, real etcd and Postgres, {len(QUEUES)} durable queues, "
+        f"--pg-outage {a.pg_outage:g}{' --sync-standby' if a.sync_standby else ''}`:\n"
+        f"3 nodes, real etcd and Postgres, {len(QUEUES)} durable queues, "
         f"a confirmed publisher and an acking consumer on every node; {result.figures['seconds']:.0f} s.\n",
         "| fault | count | how (count) | held (s) | worst recovery (s) |",
         "|---|---|---|---|---|",
     ]
-    for kind in a.faults:
+    for kind in [k for k in a.faults if k in CLUSTER_FAULTS]:
         fs = [f for f in chaos.run.faults if f.kind == kind]
         rec = [r for k, r in chaos.run.recoveries if k == kind]
         how = ", ".join(f"{v} ({sum(1 for x in fs if x.variant == v)})" for v in sorted({x.variant for x in fs}))
@@ -410,6 +435,8 @@ def parse(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--rate", type=float, default=50.0, help="messages/s per publisher (3 publishers)")
     p.add_argument("--lease-ttl", type=int, default=2)
     p.add_argument("--pg-outage", type=float, default=10.0, help="seconds Postgres is unreachable (pg fault)")
+    p.add_argument("--sync-standby", action="store_true",
+                   help="promote: the primary waits for the standby before a commit returns")
     p.add_argument("--disk-limit-mb", type=float, default=16.0, help="file-size limit of the disk scenario")
     p.add_argument("--round-robin", action="store_true", help="faults in turn instead of at random")
     p.add_argument("--report", action="store_true", help=f"append the report to {REPORT}")
