@@ -8,6 +8,8 @@
   ``stopped serving`` log lines), beyond a grace of the lease (a node learns its
   lease is gone only when it checks) and the time a node was SIGSTOPped (it delivers
   nothing then);
+* every delivery made while some node served its queue, give or take ``slack`` (log
+  lines are written just after the state changes, forwarded deliveries arrive just after);
 * no node exited that the suite did not kill (the suite reports those).
 """
 
@@ -84,7 +86,7 @@ def _paused_within(pauses: list[tuple[str, float, float]], node: str, a: float, 
 
 
 def check(record: Record, intervals: list[Interval], pauses: list[tuple[str, float, float]],
-          crashes: list[str], grace: float) -> Result:
+          crashes: list[str], grace: float, slack: float = 1.0) -> Result:
     res = Result()
     by_msg: dict[tuple[str, int], list] = defaultdict(list)
     for d in record.deliveries:
@@ -129,7 +131,12 @@ def check(record: Record, intervals: list[Interval], pauses: list[tuple[str, flo
                 if overlap > grace:
                     res.add("two owners", f"{q}: {a.node} and {b.node} both served it for {overlap:.1f}s "
                             f"(beyond pauses) from {lo:.3f}")
-    # 5. crashes
+    # 5. every delivery while some node served its queue (else it came from a node that did not own it)
+    for d in record.deliveries:
+        if not any(iv.queue == d.queue and iv.start - slack <= d.at <= iv.end + slack for iv in by_queue[d.queue]):
+            res.add("unowned delivery", f"{d.publisher} seq {d.seq} on {d.queue} delivered to {d.consumer} at "
+                    f"{d.at:.3f} while no node served the queue (per the node logs)")
+    # 6. crashes
     for c in crashes:
         res.add("crash", c)
     res.figures.update(

@@ -5,6 +5,8 @@ from __future__ import annotations
 from bench.chaos_check import Interval, check, log_time, serving_intervals, worst_gap
 from bench.chaos_load import Delivery, Record
 
+ALL = [Interval("n1", "q", 0, 100)]  # n1 served the queue the whole time
+
 
 def _d(at: float, seq: int, redelivered: bool = False, consumer: str = "c-n1#1", queue: str = "q",
        message_id: str | None = None) -> Delivery:
@@ -20,35 +22,35 @@ def _record(confirmed: list[int], deliveries: list[Delivery]) -> Record:
 
 def test_a_clean_run_has_no_violation() -> None:
     rec = _record([1, 2, 3], [_d(1, 1), _d(2, 2), _d(3, 3), _d(4, 2, redelivered=True)])
-    res = check(rec, [], [], [], grace=2)
+    res = check(rec, ALL, [], [], grace=2)
     assert res.total == 0, res.violations
     assert res.figures["duplicates"] == 1 and res.figures["redelivered"] == 1
 
 
 def test_a_confirmed_message_never_delivered_is_lost() -> None:
-    res = check(_record([1, 2], [_d(1, 1)]), [], [], [], grace=2)
+    res = check(_record([1, 2], [_d(1, 1)]), ALL, [], [], grace=2)
     assert list(res.violations) == ["lost"] and "seq 2" in res.violations["lost"][0]
 
 
 def test_an_unconfirmed_message_may_be_missing() -> None:
-    assert check(_record([1], [_d(1, 1)]), [], [], [], grace=2).total == 0
+    assert check(_record([1], [_d(1, 1)]), ALL, [], [], grace=2).total == 0
 
 
 def test_a_second_delivery_without_redelivered_is_a_duplicate() -> None:
-    res = check(_record([1], [_d(1, 1), _d(2, 1, consumer="c-n2#1")]), [], [], [], grace=2)
+    res = check(_record([1], [_d(1, 1), _d(2, 1, consumer="c-n2#1")]), ALL, [], [], grace=2)
     assert list(res.violations) == ["duplicate"]
 
 
 def test_a_changed_message_id_is_reported() -> None:
-    res = check(_record([1], [_d(1, 1, message_id="other")]), [], [], [], grace=2)
+    res = check(_record([1], [_d(1, 1, message_id="other")]), ALL, [], [], grace=2)
     assert list(res.violations) == ["message id"]
 
 
 def test_first_deliveries_out_of_publish_order_on_one_consumer() -> None:
-    res = check(_record([1, 2], [_d(1, 2), _d(2, 1)]), [], [], [], grace=2)
+    res = check(_record([1, 2], [_d(1, 2), _d(2, 1)]), ALL, [], [], grace=2)
     assert list(res.violations) == ["order"]
     # the same order across two consumers is not a violation (each sees its own share in order)
-    assert check(_record([1, 2], [_d(1, 2), _d(2, 1, consumer="c-n2#1")]), [], [], [], grace=2).total == 0
+    assert check(_record([1, 2], [_d(1, 2), _d(2, 1, consumer="c-n2#1")]), ALL, [], [], grace=2).total == 0
 
 
 def test_two_nodes_serving_a_queue_beyond_the_grace_and_their_pauses() -> None:
@@ -57,6 +59,13 @@ def test_two_nodes_serving_a_queue_beyond_the_grace_and_their_pauses() -> None:
     assert list(res.violations) == ["two owners"]
     # n1 was SIGSTOPped from 4 to 9.5: it could deliver nothing then, the overlap left is 0.5 s
     assert check(_record([], []), ivs, [("n1", 4, 9.5)], [], grace=2).total == 0
+
+
+def test_a_delivery_while_no_node_served_the_queue() -> None:
+    ivs = [Interval("n1", "q", 0, 10), Interval("n2", "q", 20, 30)]
+    rec = _record([1, 2, 3], [_d(5, 1), _d(10.5, 2), _d(15, 3)])
+    res = check(rec, ivs, [], [], grace=2, slack=1)
+    assert list(res.violations) == ["unowned delivery"] and "seq 3" in res.violations["unowned delivery"][0]
 
 
 def test_crashes_are_violations() -> None:
