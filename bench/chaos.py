@@ -28,6 +28,7 @@ import asyncio
 import contextlib
 import logging
 import random
+import signal
 import sys
 import tempfile
 import threading
@@ -470,8 +471,20 @@ def run(args: argparse.Namespace) -> tuple[Result, str]:
     return result, text
 
 
+def _stop_on_signals() -> None:
+    """SIGTERM and SIGINT end the run through its clean-up (nodes, etcd, Postgres, temp dirs), even when
+    started in the background, where a shell leaves SIGINT ignored."""
+
+    def stop(signum: int, _frame: object) -> None:
+        raise SystemExit(128 + signum)
+
+    signal.signal(signal.SIGTERM, stop)
+    signal.signal(signal.SIGINT, stop)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     args = parse(argv)
+    _stop_on_signals()
     result, text = run(args)
     print(text)
     if args.report:
