@@ -341,6 +341,12 @@ class Chaos:
         intervals = serving_intervals(records, self.run.kills, set(QUEUES), ended)
         result = check(load.record, intervals, self.run.pauses, self.run.crashes, grace=float(args.lease_ttl))
         gap = worst_gap(load.record, QUEUES, started, stopped)
+        # Per fault: the longest silence of any queue from the fault's start to the next fault's.
+        starts = [f.start for f in self.run.faults] + [stopped]
+        self.fault_gaps: dict[str, float] = {}
+        for f, until in zip(self.run.faults, starts[1:], strict=False):
+            g = worst_gap(load.record, QUEUES, f.start, until)[0]
+            self.fault_gaps[f.kind] = max(self.fault_gaps.get(f.kind, 0.0), g)
         result.figures.update(worst_gap_s=gap[0], seconds=ended - started, serving_spans=len(intervals))
         self.gap = gap
         self.log_counts = {n: _log_counts(r) for n, r in records.items()}
@@ -386,19 +392,21 @@ def report(chaos: Chaos, result: Result) -> str:
         f"--pg-outage {a.pg_outage:g}{' --sync-standby' if a.sync_standby else ''}`:\n"
         f"3 nodes, real etcd and Postgres, {len(QUEUES)} durable queues, "
         f"a confirmed publisher and an acking consumer on every node; {result.figures['seconds']:.0f} s.\n",
-        "| fault | count | how (count) | held (s) | worst recovery (s) |",
-        "|---|---|---|---|---|",
+        "| fault | count | how (count) | held (s) | worst recovery (s) | worst failover (s) |",
+        "|---|---|---|---|---|---|",
     ]
     for kind in [k for k in a.faults if k in CLUSTER_FAULTS]:
         fs = [f for f in chaos.run.faults if f.kind == kind]
         rec = [r for k, r in chaos.run.recoveries if k == kind]
         how = ", ".join(f"{v} ({sum(1 for x in fs if x.variant == v)})" for v in sorted({x.variant for x in fs}))
         held = f"{min(x.hold for x in fs):.1f}-{max(x.hold for x in fs):.1f}" if fs else "-"
-        lines.append(f"| {kind} | {len(fs)} | {how} | {held} | {max(rec) if rec else 0:.1f} |")
+        lines.append(f"| {kind} | {len(fs)} | {how} | {held} | {max(rec) if rec else 0:.1f} | "
+                     f"{chaos.fault_gaps.get(kind, 0.0):.1f} |")
     f = result.figures
     lines += [
         "",
-        "Recovery: from the fault's end until every node is registered in etcd and every queue has an owner.",
+        "Recovery: from the fault's end until every node is registered in etcd and every queue has an owner. "
+        "Failover: the longest time any queue went without a delivery, from the fault's start to the next's.",
         "",
         f"- published {f['published']:.0f}, confirmed {f['confirmed']:.0f}, nacked {f['nacked']:.0f}, "
         f"unconfirmed (connection lost or timed out) {f['unconfirmed']:.0f}",
