@@ -226,8 +226,7 @@ class Chaos:
             down = self.rng.uniform(1, 3)
             fault.variant, fault.hold = "kill -9, restart", down
             time.sleep(down)
-            node.start()
-            self.run_pids_add(node)
+            self._start(node)
         elif kind == "stop":
             hold = 2 * ttl + self.rng.uniform(0, 2)
             node.pause()
@@ -285,6 +284,17 @@ class Chaos:
         self.run.faults.append(fault)
         return fault
 
+    def _start(self, node: ClusterNode) -> None:
+        """Start a node again; a start that fails (a port taken meanwhile) is retried on fresh ports."""
+        for attempt in range(3):
+            try:
+                node.start()
+                break
+            except AssertionError as exc:
+                self.log(f"{node.node_id} did not start (attempt {attempt + 1}): {str(exc)[:300]}")
+                node.cleanup()
+        self.run_pids_add(node)
+
     def healthy(self) -> bool:
         c = self.cluster
         assert c is not None
@@ -300,8 +310,7 @@ class Chaos:
             if node.proc is not None and not node.running():
                 self.run.crashes.append(f"{node_id} exited with {node.proc.returncode}: {node.stderr_tail(1500)}")
                 self.run.kills.setdefault(node_id, []).append(time.time())
-                node.start()
-                self.run_pids_add(node)
+                self._start(node)
 
     # -- the run -------------------------------------------------------------------------------
     def main(self) -> Result:
