@@ -387,7 +387,7 @@ def _log_counts(records: list[dict[str, Any]]) -> dict[str, int]:
     for r in records:
         if r.get("level") in ("error", "critical"):
             counts["error"] += 1
-        if "exc" in r or "traceback" in r or "exc_info" in r:
+        if "exc" in r:  # leveret/logs.py puts a record's traceback there
             counts["traceback"] += 1
     return counts
 
@@ -424,7 +424,8 @@ def report(chaos: Chaos, result: Result) -> str:
         f"- queue ownership spans seen in the node logs: {f['serving_spans']:.0f}",
         f"- worst failover (longest time a queue had no delivery): {chaos.gap[0]:.1f} s ({chaos.gap[1]})",
         "- node log lines at level error: "
-        + ", ".join(f"{n} {v['error']}" for n, v in sorted(chaos.log_counts.items())),
+        + ", ".join(f"{n} {v['error']}" for n, v in sorted(chaos.log_counts.items()))
+        + "; with a traceback: " + ", ".join(f"{n} {v['traceback']}" for n, v in sorted(chaos.log_counts.items())),
         "- client errors (reconnected): "
         + (", ".join(f"{k} {v}" for k, v in sorted(chaos.client_errors.items())) or "none"),
         f"- **violations: {result.total}**"
