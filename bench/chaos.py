@@ -240,7 +240,8 @@ class Chaos:
             c.restart_etcd(kill=hard)
             fault.variant, fault.hold = ("kill -9, start" if hard else "SIGTERM, start"), time.time() - t0
         elif kind == "pg":
-            if self.rng.random() < 0.5:
+            mode = self.args.pg_mode
+            if mode == "restart" or (mode == "both" and self.rng.random() < 0.5):
                 self.pg.stop()
                 down = self.rng.uniform(1, 3)
                 time.sleep(down)
@@ -457,6 +458,8 @@ def parse(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--sync-standby", action="store_true",
                    help="promote: the primary waits for the standby before a commit returns")
     p.add_argument("--disk-limit-mb", type=float, default=16.0, help="file-size limit of the disk scenario")
+    p.add_argument("--pg-mode", choices=("both", "restart", "outage"), default="both",
+                   help="pg fault: a restart, an outage (blackholed), or either at random")
     p.add_argument("--round-robin", action="store_true", help="faults in turn instead of at random")
     p.add_argument("--report", action="store_true", help=f"append the report to {REPORT}")
     p.add_argument("--keep", action="store_true", help="keep the cluster's work directory (logs)")
