@@ -48,6 +48,7 @@ class NodeConfig:
     grpc_tls: bool = False
     http_tls: bool = False
     cluster_port: int = 25672
+    advertise_cluster_port: int = 0
     cluster_secret_file: str = ""
     cluster_tls_cert: str = ""
     cluster_tls_key: str = ""
@@ -116,6 +117,8 @@ HELP = {
     "http_tls": "serve the management API, console and Prometheus endpoint over HTTPS only, with --tls-cert/--tls-key "
     "(no client certificate asked: browsers and scrapers log in with passwords); SIGHUP reloads it",
     "cluster_port": "internal node-to-node listener (cluster mode only); never the public gRPC port",
+    "advertise_cluster_port": "port other nodes dial for --cluster-port when it is forwarded or proxied "
+    "(0: --cluster-port itself)",
     "cluster_secret_file": "file holding the secret every node of the cluster shares (as RabbitMQ's Erlang "
     "cookie); cluster mode needs it or --cluster-tls-*",
     "cluster_tls_cert": "PEM certificate of this node for mutual TLS between nodes",

@@ -205,7 +205,8 @@ class Node:
             endpoints=[e for e in (part.strip() for part in cfg.etcd.split(",")) if e],
             cluster=cfg.cluster, region=cfg.region, lease_ttl=cfg.lease_ttl, node_id=self.broker.node_id,
             amqp_address=self._advertised(cfg.amqp_port), grpc_address=self._advertised(cfg.grpc_port),
-            cluster_address=self._advertised(cfg.cluster_port), auth=auth, etcd_tls=etcd_tls,
+            cluster_address=self._advertised(cfg.advertise_cluster_port or cfg.cluster_port),
+            auth=auth, etcd_tls=etcd_tls,
             etcd_user=cfg.etcd_user, etcd_password=cfg.etcd_password,
         )
         cluster = EtcdCluster(self.broker, self.store, self.broker.committer, settings,
