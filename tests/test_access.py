@@ -83,6 +83,16 @@ def test_dlx_and_ae_rows(broker: Broker) -> None:
         access.declare_exchange(g, "y", {"alternate-exchange": "ae"})
 
 
+def test_undecodable_dlx_and_ae_names_are_checked_as_the_queue_arguments_decode_them(broker: Broker) -> None:
+    """bench.fuzz found these as 541: an exchange name in an argument that is not UTF-8."""
+    g = broker.access.grants("u", "v")
+    access.declare_queue(g, "q", {"x-dead-letter-exchange": b"dl\xfax"})  # allowed by ".*", no error
+    access.declare_exchange(g, "x", {"alternate-exchange": b"a\xfae"})
+    set_perm(broker, ".*", "^dlx$", ".*")
+    with pytest.raises(AccessRefused, match="exchange 'dl\ufffdx'"):
+        access.declare_queue(g, "q", {"x-dead-letter-exchange": b"dl\xfax"})
+
+
 def test_topic_permissions_expand_username_and_vhost(broker: Broker) -> None:
     broker.users["u"].topic_permissions["v"] = {"t": (r"^{username}\.{vhost}\.", "^r")}
     broker.user_changed("u")
