@@ -33,6 +33,7 @@ from core.engine.queue import Consumer, QueueChannel
 from core.engine.stream import StreamQueue
 from core.engine.stream_args import parse_reader
 from core.model import properties
+from core.model.clock import call_contained
 from core.model.errors import BrokerError, NotFound, NotOwner
 from core.model.fieldtable import decode_table
 from core.model.message import Message, QueuedMessage
@@ -427,14 +428,10 @@ class PeerLink:
 
     @staticmethod
     def _fail(cbs: list[tuple[int, Forwarded]]) -> None:
-        from core.model.clock import call_contained  # local import: keeps off the import block others rewrote
-
         for _, cb in cbs:
             call_contained(cb, False)
 
     async def _forward_loop(self, q: asyncio.Queue[pb.ForwardBatch | None]) -> None:
-        from core.model.clock import call_contained  # once per stream; see _fail
-
         async def requests() -> AsyncIterator[pb.ForwardBatch]:
             while (batch := await q.get()) is not None:
                 yield batch
@@ -697,8 +694,6 @@ class QueueRemote:
             self.link.when_forwarded(done)
 
     def _held_expired(self) -> None:
-        from core.model.clock import call_contained  # see PeerLink._fail
-
         self._held_timer = None
         held, self._held = self._held, []
         if held:
