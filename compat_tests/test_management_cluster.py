@@ -54,6 +54,9 @@ def test_queue_owned_elsewhere_shows_the_owners_counts(cluster: Cluster) -> None
     assert sorted(n["name"] for n in api(cluster, other).get("/api/nodes")) == ["n1", "n2"]
     listed = {q["name"]: q for q in api(cluster, other).get("/api/queues/%2F")}
     assert listed[name]["messages"] == 3 and listed[name]["node"] == owner
+    # Totals answer for the whole cluster too: the owner's 3 messages count on the other node.
+    assert api(cluster, other).get("/api/overview")["queue_totals"]["messages"] >= 3
+    assert api(cluster, other).get("/api/vhosts/%2F")["messages"] >= 3
     # Publish, get and purge through the node that does not own it.
     mgmt = api(cluster, other)
     assert mgmt.ok("POST", "/api/exchanges/%2F/amq.default/publish",

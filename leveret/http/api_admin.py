@@ -18,6 +18,7 @@ from core.engine.stats import QUEUE_FIELDS, queue_counters
 from core.model.policy import Policy, PolicyError
 from leveret import __version__
 from leveret.http import api_shovels, listing, metadata
+from leveret.http.api_topology import owner_counts
 from leveret.http.errors import bad_request, not_found
 from leveret.http.rates import add_stats, stats_json
 from leveret.http.responses import created, json_response, no_content
@@ -77,13 +78,18 @@ def register(r: Router) -> None:
 
 
 # -- overview and nodes ---------------------------------------------------------
-def _totals(vhosts: list[VirtualHost], call: Call) -> tuple[dict[str, int], dict[str, Any], int]:
+async def _totals(vhosts: list[VirtualHost], call: Call) -> tuple[dict[str, int], dict[str, Any], int]:
+    """Message totals of these vhosts for the whole cluster: a queue another node owns counts
+    as its owner reports it (as /api/queues shows it), not as this node's proxy sees it."""
+    owned_elsewhere = await owner_counts(call, [q for vh in vhosts for q in vh.queues.values()])
     ready = unacked = consumers = 0
     counts = [0, 0, 0, 0]
     rates = [0.0, 0.0, 0.0, 0.0]
     for vh in vhosts:
         for q in vh.queues.values():
             r, u, c = queue_counts(q)
+            if id(q) in owned_elsewhere:
+                r, u, c = owned_elsewhere[id(q)][0], 0, owned_elsewhere[id(q)][1]
             ready += r
             unacked += u
             consumers += c
@@ -103,7 +109,7 @@ def _listeners(call: Call) -> list[dict[str, Any]]:
 
 async def overview(call: Call) -> dict[str, Any]:
     vhosts = call.visible_vhosts()
-    totals, stats, consumers = _totals(vhosts, call)
+    totals, stats, consumers = await _totals(vhosts, call)
     conns = [p for p in call.node.amqp.connections if p.conn is not None and p.conn.vhost is not None
              and (call.sees_all or p.conn.username == call.user.name)]
     return {
@@ -189,19 +195,19 @@ async def extensions(call: Call) -> list[Any]:
 
 
 # -- vhosts ---------------------------------------------------------------------
-def _vhost_json(vh: VirtualHost, call: Call) -> dict[str, Any]:
-    totals, stats, _ = _totals([vh], call)
+async def _vhost_json(vh: VirtualHost, call: Call) -> dict[str, Any]:
+    totals, stats, _ = await _totals([vh], call)
     return {"name": vh.name, "description": vh.description, "tags": list(vh.tags),
             "default_queue_type": "classic", "metadata": {"description": vh.description, "tags": list(vh.tags)},
             "tracing": False, "cluster_state": {call.node_name: "running"}, "message_stats": stats, **totals}
 
 
 async def vhosts(call: Call) -> Any:
-    return listing.apply([_vhost_json(vh, call) for vh in call.visible_vhosts()], call.query)
+    return listing.apply([await _vhost_json(vh, call) for vh in call.visible_vhosts()], call.query)
 
 
 async def vhost_get(call: Call) -> dict[str, Any]:
-    return _vhost_json(call.vhost(), call)
+    return await _vhost_json(call.vhost(), call)
 
 
 VHOST_FIELDS = frozenset({"name", "description", "tags", "tracing", "default_queue_type", "metadata",
