@@ -17,6 +17,7 @@ import logging
 from core.engine.broker import Broker
 from core.model.policy import Policy
 from core.ports.store import MessageStore, StoreError
+from leveret.background import stop_task
 
 log = logging.getLogger("leveret.policies")
 
@@ -37,12 +38,7 @@ class PolicyWatch:
         self._task = asyncio.create_task(self._run())
 
     async def stop(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            try:
-                await self._task
-            except asyncio.CancelledError:
-                pass
+        await stop_task(self._task)
 
     async def _read(self) -> dict[Key, Policy]:
         return {(p.vhost, p.operator, p.name): p for p in await self.store.load_policies()}

@@ -16,6 +16,7 @@ import logging
 import time
 
 from core.engine.broker import Broker
+from leveret.background import stop_task
 from persistence.retention_requests import RequestTable
 
 log = logging.getLogger("leveret.retention")
@@ -36,12 +37,7 @@ class RetentionWatch:
         self._task = asyncio.create_task(self._run())
 
     async def stop(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            try:
-                await self._task
-            except asyncio.CancelledError:
-                pass
+        await stop_task(self._task)
         if self._open:
             try:
                 await self.table.leave(self.broker.node_id)

@@ -10,12 +10,12 @@ tuple each: the engine itself keeps only the counters.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import time
 from typing import Any
 
 from core.engine.broker import Broker
 from core.engine.stats import QUEUE_FIELDS, exchange_counters, queue_counters
+from leveret.background import stop_task
 
 INTERVAL = 5.0
 EXCHANGE_FIELDS = ("publish_in",)
@@ -36,10 +36,7 @@ class RateSampler:
         self._task = asyncio.create_task(self._run())
 
     async def stop(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._task
+        await stop_task(self._task)
 
     async def _run(self) -> None:
         while True:

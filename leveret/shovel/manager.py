@@ -16,6 +16,7 @@ import logging
 from typing import TYPE_CHECKING, Any
 
 from core.ports.store import StoreError
+from leveret.background import stop_task
 from leveret.shovel.hold import Holder
 from leveret.shovel.spec import COMPONENT, ShovelError, ShovelSpec, parse, redact
 from leveret.shovel.worker import ShovelRunner
@@ -54,12 +55,7 @@ class ShovelManager:
         self._task = asyncio.get_running_loop().create_task(self._run(), name="shovel manager")
 
     async def stop(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            try:
-                await self._task
-            except asyncio.CancelledError:
-                pass
+        await stop_task(self._task)
         for vn in list(self.running):
             await self._stop_one(vn, release=True)
 
