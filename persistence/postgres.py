@@ -173,6 +173,14 @@ class PostgresStore:
             kwargs["connect_timeout"] = max(2, math.ceil(self._connect_timeout))  # libpq: whole seconds, >= 2
         if "application_name" not in given:
             kwargs["application_name"] = "leveret"
+        # A server that stops answering (a partition, a host gone without a reset) must fail
+        # the commit waiting on it, so its publishes are nacked, not left unanswered until
+        # it returns (seen by bench.chaos): data unacknowledged for 10 s breaks the socket,
+        # and keepalives find a dead idle connection within ~11 s. The DSN may set its own.
+        for key, value in (("tcp_user_timeout", 10_000), ("keepalives", 1), ("keepalives_idle", 5),
+                           ("keepalives_interval", 2), ("keepalives_count", 3)):
+            if key not in given:
+                kwargs[key] = value
         # A node paused in the middle of a transaction (SIGSTOP, a VM freeze)
         # holds its queue_epochs row lock; the next owner's fencing claim must
         # not wait for it to wake. The server ends such a transaction after a

@@ -604,6 +604,21 @@ async def test_postgres_batch_must_name_the_epoch_of_every_queue_it_writes(postg
         await store.close()
 
 
+async def test_postgres_connections_fail_when_the_server_stops_answering(postgres_db: str) -> None:
+    """libpq's TCP timeouts are set unless the DSN sets them (a silent server fails the commit: nacks)."""
+    from persistence.postgres import PostgresStore
+
+    for dsn, expected in ((postgres_db, "10000"), (postgres_db + " tcp_user_timeout=2500", "2500")):
+        store = PostgresStore(dsn)
+        await store.open()
+        try:
+            async with store._connection() as conn:
+                params = conn.info.get_parameters()
+            assert params["tcp_user_timeout"] == expected and params["keepalives_idle"] == "5"
+        finally:
+            await store.close()
+
+
 async def test_postgres_schema_matches_the_spec(postgres_db: str) -> None:
     """The column names the SQLite schema mirrors and the Spark jobs read."""
     import psycopg
