@@ -30,7 +30,9 @@ def _store_arguments(parser: argparse.ArgumentParser) -> None:
 
 def add_parsers(sub: Any) -> None:
     users = sub.add_parser("users", help="durable users (add, delete, list)",
-                           description="Users a node loads at start (restart a running node to apply).")  # fmt: skip
+                           description="Users in the store of a node that is not running (set-up before the first "
+                           "start); for a running node use `leveret ctl add_user|delete_user|list_users`, which "
+                           "applies at once.")  # fmt: skip
     actions = users.add_subparsers(dest="users_command", metavar="ACTION")
     add = actions.add_parser("add", help="create or replace a user")
     add.add_argument("name")
@@ -47,7 +49,9 @@ def add_parsers(sub: Any) -> None:
         _store_arguments(p)
 
     vhosts = sub.add_parser("vhosts", help="durable virtual hosts (add, delete, list)",
-                            description="Vhosts a node loads at start (restart a running node to apply).")  # fmt: skip
+                            description="Vhosts in the store of a node that is not running (set-up before the first "
+                            "start); for a running node use `leveret ctl add_vhost|delete_vhost|list_vhosts`."
+                            )  # fmt: skip
     vactions = vhosts.add_subparsers(dest="vhosts_command", metavar="ACTION")
     vadd = vactions.add_parser("add", help="create a vhost")
     vadd.add_argument("name")
