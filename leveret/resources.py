@@ -75,10 +75,19 @@ def memory_use(broker: Broker, amqp: AMQPServer | None) -> MemoryUse:
 
 
 def rss_bytes() -> int:
+    """This process's resident memory (0 where /proc cannot say)."""
     try:
         with open("/proc/self/statm") as f:
             return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
     except (OSError, ValueError, IndexError):
+        return 0
+
+
+def open_fds() -> int:
+    """File descriptors this process holds (0 where /proc cannot say)."""
+    try:
+        return len(os.listdir("/proc/self/fd"))
+    except OSError:
         return 0
 
 

@@ -16,7 +16,7 @@ from core.engine import limits
 from core.engine.broker import RABBIT_SHA256, Permission, User
 from core.engine.stats import QUEUE_FIELDS, queue_counters
 from core.model.policy import Policy, PolicyError
-from leveret import __version__
+from leveret import __version__, resources
 from leveret.http import api_shovels, listing, metadata
 from leveret.http.api_topology import owner_counts
 from leveret.http.errors import bad_request, not_found
@@ -133,24 +133,13 @@ async def cluster_name(call: Call) -> dict[str, Any]:
     return {"name": call.node.config.cluster}
 
 
-def _rss_bytes() -> int:
-    try:
-        with open("/proc/self/statm") as f:
-            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
-    except (OSError, ValueError, IndexError):
-        return 0
-
-
 def _node_json(call: Call) -> dict[str, Any]:
     watermark = getattr(call.node, "watermark_bytes", None)
-    try:
-        fds = len(os.listdir("/proc/self/fd"))
-    except OSError:
-        fds = 0
     return {
         "name": call.node_name, "type": "disc", "running": True, "os_pid": str(os.getpid()),
-        "mem_used": _rss_bytes(), "mem_limit": watermark() if callable(watermark) else 0,
-        "mem_alarm": call.broker.memory_alarm, "disk_free_alarm": call.broker.disk_alarm, "fd_used": fds,
+        "mem_used": resources.rss_bytes(), "mem_limit": watermark() if callable(watermark) else 0,
+        "mem_alarm": call.broker.memory_alarm, "disk_free_alarm": call.broker.disk_alarm,
+        "fd_used": resources.open_fds(),
         "sockets_used": len(call.node.amqp.connections), "proc_used": 1, "processors": os.cpu_count() or 1,
         "uptime": int((time.time() - call.api.started_at) * 1000), "partitions": [],
         "run_queue": 0, "rates_mode": "basic", "being_drained": False,

@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import functools
 import json
-import os
 import platform
 import resource
 import shutil
@@ -57,8 +56,6 @@ DETAILED_FAMILIES = (
     "node_metrics",
 )
 
-_PAGE = os.sysconf("SC_PAGE_SIZE")
-
 
 @dataclass(frozen=True)
 class View:
@@ -81,19 +78,8 @@ def detailed(families: Iterable[str], vhosts: Iterable[str] = ()) -> View:
 
 
 def resident_memory_bytes() -> int:
-    try:
-        with open("/proc/self/statm", "rb") as f:
-            return int(f.read().split()[1]) * _PAGE
-    except (OSError, ValueError, IndexError):
-        # No /proc: ru_maxrss (KiB on Linux) is the peak, the best left.
-        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
-
-
-def _open_fds() -> int:
-    try:
-        return len(os.listdir("/proc/self/fd"))
-    except OSError:
-        return 0
+    # No /proc: ru_maxrss (KiB on Linux) is the peak, the best left.
+    return resources.rss_bytes() or resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
 
 class NodeCollector:
@@ -254,7 +240,7 @@ class NodeCollector:
 
     def _node_coarse(self) -> Iterator[Metric]:
         node = self.node
-        yield GaugeMetricFamily(self._name("process_open_fds"), "Open file descriptors", value=_open_fds())
+        yield GaugeMetricFamily(self._name("process_open_fds"), "Open file descriptors", value=resources.open_fds())
         yield GaugeMetricFamily(self._name("process_open_tcp_sockets"), "Open TCP sockets",
                                 value=len(node.amqp.connections))
         yield GaugeMetricFamily(self._name("process_resident_memory_bytes"), "Memory used in bytes",
