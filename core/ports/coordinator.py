@@ -94,7 +94,3 @@ class Coordinator(Protocol):
     def get(self, queue: Queue, no_ack: bool) -> Awaitable[tuple[QueuedMessage | None, int]]:
         """``basic.get``: a message (or None) and how many remain ready."""
         ...
-
-
-# The old name, kept for one release so that branches written against it still merge.
-Cluster = Coordinator
