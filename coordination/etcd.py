@@ -13,9 +13,11 @@ How it follows DESIGN.md ("A cluster"):
   The states and their moves are core/engine/ownership.py's machine; this
   module drives it (watch events, the lease, the store's fence, drain) and
   does the queue-side work through the engine's public methods.
-- Placement: a new durable queue goes to the live node with the fewest owned
-  queues (ties by node id), computed from the mirrored owner keys; the same
-  rule picks the successor when an owner's lease goes. Fewest-queues over
+- Placement: coordination/placement.py's one rule (declare, failover, drain):
+  the live node of the queue's region (the declaring node's, recorded in the
+  queue's metadata) with the fewest owned queues, else the least loaded of
+  any region (ties by node id), computed from the mirrored owner keys; the
+  same rule picks the successor when an owner's lease goes. Fewest-queues over
   rendezvous hashing because it keeps nodes balanced as they join, which is
   what an operator watches; etcd's transaction settles any race. Transient
   and exclusive queues stay on the node whose client declared them (as
@@ -38,6 +40,7 @@ import grpc
 
 from coordination.etcd_client import EtcdTLS, etcd_client
 from coordination.keys import Layout, decode_args, dumps, encode_args, loads, user_value
+from coordination.placement import Candidate, place, queue_region
 from core.cluster.auth import PeerAuth
 from core.cluster.forwarding import LoadingGate, NodeService, NotOwner, Peers, QueueRemote
 from core.durable.durability import Durability, QueueStorage
@@ -78,6 +81,8 @@ class ClusterSettings:
     grpc_address: str = ""
     # The internal listener (--cluster-port) peers dial, and how they prove membership.
     cluster_address: str = ""
+    # What nodes of other regions dial instead (--advertise-cluster-remote): "" = cluster_address.
+    cluster_remote_address: str = ""
     auth: PeerAuth | None = None
     # etcd's own transport and login (--etcd-cacert/--etcd-cert/--etcd-key, --etcd-user).
     etcd_tls: EtcdTLS | None = None
@@ -96,13 +101,14 @@ class NodeInfo:
     started: float = 0.0
     draining: bool = False
     cluster: str = ""  # the internal listener (--cluster-port) peers dial
+    cluster_remote: str = ""  # what peers of another region dial instead, when set
 
     @classmethod
     def of(cls, value: dict[str, Any]) -> NodeInfo:
         return cls(str(value.get("id", "")), str(value.get("amqp", "")), str(value.get("grpc", "")),
                    str(value.get("region", "")), int(value.get("lease", 0)), int(value.get("queues", 0)),
                    float(value.get("started", 0.0)), bool(value.get("draining", False)),
-                   str(value.get("cluster", "")))
+                   str(value.get("cluster", "")), str(value.get("cluster_remote", "")))
 
 
 @dataclass
@@ -244,7 +250,7 @@ class EtcdCluster:
     def _node_value(self) -> bytes:
         s = self.settings
         return dumps({"id": self.node_id, "amqp": s.amqp_address, "grpc": s.grpc_address, "cluster": s.cluster_address,
-                      "region": s.region,
+                      "cluster_remote": s.cluster_remote_address, "region": s.region,
                       "lease": self.lease_id, "queues": len(self.ownership), "draining": self.draining,
                       "started": self._started})
 
@@ -807,20 +813,17 @@ class EtcdCluster:
                 counts[node] += 1
         return counts
 
-    def _placement(self, exclude: str | None = None) -> NodeInfo | None:
-        counts = self._owned_counts()
-        candidates = [
-            n for n in self.mirror.nodes.values()
-            if n.id != exclude and n.lease and not n.draining and not (n.id == self.node_id and self.draining)
-        ]
-        if not candidates:
-            return None
-        return min(candidates, key=lambda n: (counts.get(n.id, 0), n.id))
+    def _placement(self, region: str | None = None, exclude: str | None = None) -> NodeInfo | None:
+        """coordination.placement.place over the mirrored nodes (our own draining flag counts at once)."""
+        nodes = [Candidate(n.id, n.region, bool(n.lease), n.draining or (n.id == self.node_id and self.draining))
+                 for n in self.mirror.nodes.values()]
+        chosen = place(nodes, self._owned_counts(), region, exclude)
+        return self.mirror.nodes.get(chosen.id) if chosen is not None else None
 
     def _elect(self, vq: tuple[str, str], anyone: bool = False) -> None:
         if self.lease.lost or self._stopping or vq in self.mirror.owners:
             return
-        chosen = self._placement()
+        chosen = self._placement(queue_region(self.mirror.queues.get(vq)))
         if chosen is None:
             return
         if anyone or chosen.id == self.node_id:
@@ -911,7 +914,13 @@ class EtcdCluster:
     # ================================================================= peers
     def _cluster_address(self, node: str) -> str | None:
         info = self.mirror.nodes.get(node)
-        return info.cluster if info is not None and info.cluster else None
+        return self._dial_address(info) if info is not None else None
+
+    def _dial_address(self, info: NodeInfo) -> str | None:
+        """A peer's cluster port as this node reaches it: its remote address from another region, if it has one."""
+        if info.cluster_remote and info.region != self.settings.region:
+            return info.cluster_remote
+        return info.cluster or None
 
     def _peer_broken(self, node: str) -> None:
         """A stream to a peer broke: if its port refuses connections, it is dead; end its lease now."""
@@ -921,7 +930,7 @@ class EtcdCluster:
         asyncio.get_running_loop().create_task(self._probe_peer(info))
 
     async def _probe_peer(self, info: NodeInfo) -> None:
-        host, _, port = (info.cluster or info.grpc).rpartition(":")
+        host, _, port = (self._dial_address(info) or info.grpc).rpartition(":")
         try:
             _, writer = await asyncio.wait_for(asyncio.open_connection(host.strip("[]"), int(port)), 1.0)
             writer.close()
@@ -969,7 +978,7 @@ class EtcdCluster:
             q = vh.queues.get(vq[1]) if vh is not None else None
             if q is None or not q.durable or q.exclusive:
                 continue
-            target = self._placement(exclude=self.node_id)
+            target = self._placement(queue_region(self.mirror.queues.get(vq)), exclude=self.node_id)
             if target is None:
                 log.warning("no other node to hand queues to", extra={"queues": len(self.ownership)})
                 break
@@ -1074,15 +1083,18 @@ class EtcdCluster:
         moving = durable and not exclusive
         here = self.mirror.nodes.get(self.node_id)
         if moving and not (_client_local(arguments) and here is not None and here.lease and not self.draining):
-            # The least loaded node: RabbitMQ's x-queue-leader-locator "balanced" (the default).
-            target = self._placement()
+            # RabbitMQ's x-queue-leader-locator "balanced" (the default): the
+            # least loaded node of this (the declaring) node's region, else of any.
+            target = self._placement(self.settings.region)
         else:
             # Not moving, or x-queue-leader-locator "client-local": the node the client declared on.
             target = here
         if target is None or not target.lease:
             raise ClusterUnavailable("no live node in the cluster to own the queue")
+        # "region": where a failover or a drain looks first for its next owner.
         value = dumps({"durable": durable, "exclusive": exclusive, "auto_delete": auto_delete,
-                       "arguments": encode_args(arguments), "node": self.node_id})
+                       "arguments": encode_args(arguments), "node": self.node_id,
+                       "region": self.settings.region})
         t = self.client.transactions
         if exclusive:
             self._pending_exclusive[(vhost.name, name)] = owner

@@ -1,10 +1,11 @@
 """The etcd key layout of a cluster (docs/CLUSTER.md) and the JSON values under it.
 
-    /leveret/<cluster>/nodes/<node>                       {id, amqp, grpc, region, lease, queues}  on the node's lease
+    /leveret/<cluster>/nodes/<node>                       on the node's lease:
+        {id, amqp, grpc, cluster, cluster_remote, region, lease, queues, draining, started}
     /leveret/<cluster>/meta/vhosts/<vhost>                {}
     /leveret/<cluster>/meta/users/<user>                  {salt, hash, tags, vhosts, loopback_only, permissions}
     /leveret/<cluster>/meta/exchanges/<vhost>/<name>      {type, durable, auto_delete, internal, arguments}
-    /leveret/<cluster>/meta/queues/<vhost>/<name>         {durable, exclusive, auto_delete, arguments, node}
+    /leveret/<cluster>/meta/queues/<vhost>/<name>         {durable, exclusive, auto_delete, arguments, node, region}
     /leveret/<cluster>/meta/bindings/<vhost>/<source>/<kind>/<destination>/<digest>  {routing_key, arguments}
     /leveret/<cluster>/owners/<vhost>/<queue>             <node>  on the owner's lease; create revision = epoch
     /leveret/<cluster>/drain/<node>                       asks a live node to hand its queues over

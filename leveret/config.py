@@ -47,8 +47,10 @@ class NodeConfig:
     tls_fail_if_no_peer_cert: bool = False
     grpc_tls: bool = False
     http_tls: bool = False
-    cluster_port: int = 25672
+    # Not 25672: that is RabbitMQ's Erlang distribution port (see HELP).
+    cluster_port: int = 27672
     advertise_cluster_port: int = 0
+    advertise_cluster_remote: str = ""
     cluster_secret_file: str = ""
     cluster_tls_cert: str = ""
     cluster_tls_key: str = ""
@@ -101,7 +103,9 @@ HELP = {
     "default_pass": "password of the default user",
     "etcd": "comma-separated etcd endpoints (http://host:port); turns on cluster mode (needs --store postgres)",
     "cluster": "cluster name: the etcd key prefix /leveret/<cluster>/",
-    "region": "this node's region, shown in cluster status",
+    "region": "this node's region: queues declared through it are owned by a node of the same region while one "
+    "is live, failovers and drains prefer that region, and clients pick a node of their own region "
+    "(docs/notes/region.md); empty: the \"\" region",
     "lease_ttl": "seconds a node's etcd lease lives without refresh; its queues move after that",
     "advertise_host": "host other nodes and clients use to reach this node (default: --bind, or 127.0.0.1 "
     "when binding to all addresses)",
@@ -116,9 +120,15 @@ HELP = {
     "grpc_tls": "serve the gRPC API over TLS only, with --tls-cert/--tls-key (client certificates as for AMQPS)",
     "http_tls": "serve the management API, console and Prometheus endpoint over HTTPS only, with --tls-cert/--tls-key "
     "(no client certificate asked: browsers and scrapers log in with passwords); SIGHUP reloads it",
-    "cluster_port": "internal node-to-node listener (cluster mode only); never the public gRPC port",
+    "cluster_port": "internal node-to-node listener (cluster mode only); never the public gRPC port. 27672 by "
+    "default, not 25672: that is RabbitMQ's Erlang distribution port (its AMQP port + 20000), so a RabbitMQ and a "
+    "Leveret node could not share a host; 27672 is none of RabbitMQ's ports, no AMQP port + 20000 of a second "
+    "local RabbitMQ (5673 -> 25673 ...), and below Linux's ephemeral range (32768-60999), so an outgoing "
+    "connection cannot hold it at start-up",
     "advertise_cluster_port": "port other nodes dial for --cluster-port when it is forwarded or proxied "
     "(0: --cluster-port itself)",
+    "advertise_cluster_remote": "HOST:PORT that nodes of other regions dial for this node's --cluster-port (a WAN "
+    "or VPN address, a gateway); empty: the same address as nodes of its own region",
     "cluster_secret_file": "file holding the secret every node of the cluster shares (as RabbitMQ's Erlang "
     "cookie); cluster mode needs it or --cluster-tls-*",
     "cluster_tls_cert": "PEM certificate of this node for mutual TLS between nodes",

@@ -206,6 +206,7 @@ class Node:
             cluster=cfg.cluster, region=cfg.region, lease_ttl=cfg.lease_ttl, node_id=self.broker.node_id,
             amqp_address=self._advertised(cfg.amqp_port), grpc_address=self._advertised(cfg.grpc_port),
             cluster_address=self._advertised(cfg.advertise_cluster_port or cfg.cluster_port),
+            cluster_remote_address=cfg.advertise_cluster_remote,
             auth=auth, etcd_tls=etcd_tls,
             etcd_user=cfg.etcd_user, etcd_password=cfg.etcd_password,
         )
