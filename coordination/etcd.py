@@ -911,6 +911,12 @@ class EtcdCluster:
             else:
                 await asyncio.sleep(0.01)
 
+    def members(self) -> list[dict[str, Any]]:
+        """The live nodes as etcd has them, in id order: id, region, grpc, amqp, queues owned, draining."""
+        counts = self._owned_counts()
+        return [{"id": n.id, "region": n.region, "grpc": n.grpc, "amqp": n.amqp, "queues": counts.get(n.id, 0),
+                 "draining": n.draining} for _, n in sorted(self.mirror.nodes.items())]
+
     # ================================================================= peers
     def _cluster_address(self, node: str) -> str | None:
         info = self.mirror.nodes.get(node)

@@ -24,16 +24,41 @@ handled); the ones still waiting in the subscriber are dropped, and acks of
 deliveries made before the restart raise ``LeveretError`` (NOT_FOUND): the
 broker no longer knows those delivery ids. ``Subscriber.resubscribed`` counts
 the times it happened. See docs/GRPC.md.
+
+Several nodes: give ``target`` as a list (or "host:port,host:port") and,
+optionally, the client's ``region``; the client connects to the nearest node
+and fails over to the next nearest when that one goes away
+(docs/notes/region.md). How "nearest" is found, once, when the client is made
+(``Client``) or at its first call (``AsyncClient``; or ``await choose()``):
+
+1. every address is dialled at once (up to ``probe_timeout`` seconds for the
+   connections to be up, so a dead address costs no more than that);
+2. each node that connected is asked ``Nodes`` (this node's id and region,
+   and the cluster's node list) ``probes`` times in turn on its own, already
+   open connection; its round trip is the fastest of those answers (the
+   least-disturbed sample: the first answer carries no handshake, which
+   happened in step 1, and a scheduling hiccup only ever adds time);
+3. the ranking: nodes of the client's ``region`` (as each node reported it)
+   first, then the rest, each group by measured round trip; addresses that
+   did not answer last, in the order given. ``Client.nodes`` lists it.
+
+On a call that finds its node gone (UNAVAILABLE) the client moves to the next
+address of the ranking and repeats the call there once, so a ``push`` whose
+node died mid-call may be stored twice (use message ids and a
+``Deduplicator``, as for any retried publish); subscriptions move with it (the
+resubscription above, on the next node). A node that answers again is not
+moved back to: the client stays where it works.
 """
 
 from __future__ import annotations
 
 import asyncio
+import math
 import socket
 import threading
 import time
 from collections import OrderedDict, deque
-from collections.abc import AsyncIterator, Iterable, Iterator
+from collections.abc import AsyncIterator, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Generic, Self, TypeVar
 
@@ -53,6 +78,7 @@ __all__ = [
     "Deduplicator",
     "LeveretError",
     "Message",
+    "NodeChoice",
     "QueueInfo",
     "StatusSubscriber",
     "Subscriber",
@@ -79,6 +105,11 @@ _OPTIONS = [
 _GONE = frozenset({grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED, grpc.StatusCode.INTERNAL})
 RESUBSCRIBE_FOR = 60.0
 _KIND_NAMES = {v: k for k, v in _KINDS.items() if k is not None}
+# With several addresses: how long a resubscription waits for its node to
+# answer before moving to the next one (a restart within it keeps the node).
+FAILOVER_WAIT = 1.0
+PROBES = 3
+PROBE_TIMEOUT = 2.0
 
 
 T = TypeVar("T")
@@ -502,6 +533,47 @@ class StatusSubscriber(_Received[ClusterEvent]):
         self._reader = _StreamReader(call, lambda ev: [ClusterEvent._from(ev)])
 
 
+@dataclass(frozen=True)
+class NodeChoice:
+    """One address as the nearest-node probe found it (see the module's docstring)."""
+
+    address: str
+    node: str = ""  # the node's id, as it answered; "" when it did not
+    region: str = ""  # its --region, as it answered
+    rtt: float = math.inf  # seconds: the fastest of the probes; inf when it did not answer
+
+
+def _addresses(target: str | Sequence[str]) -> list[str]:
+    items = target.split(",") if isinstance(target, str) else list(target)
+    out = [t.strip() for t in items if t.strip()]
+    if not out:
+        raise ValueError("no node address given")
+    return out
+
+
+def rank(choices: Sequence[NodeChoice], region: str | None) -> list[NodeChoice]:
+    """Nearest first: the client's region (when given), then round trip; the silent last, in the order given."""
+    order = {c.address: i for i, c in enumerate(choices)}
+    return sorted(choices, key=lambda c: (c.rtt == math.inf, region is not None and c.region != region,
+                                          c.rtt if c.rtt != math.inf else 0.0, order[c.address]))
+
+
+def _answered(address: str, reply: Any, rtt: float) -> NodeChoice:
+    if reply is None:  # a node without the Nodes call: its round trip counts, its region is unknown
+        return NodeChoice(address, rtt=rtt)
+    return NodeChoice(address, reply.node, reply.region, rtt)
+
+
+def _make_channel(address: str, creds: grpc.ChannelCredentials | None) -> grpc.Channel:
+    return (grpc.insecure_channel(address, options=_OPTIONS) if creds is None
+            else grpc.secure_channel(address, creds, options=_OPTIONS))
+
+
+def _make_aio_channel(address: str, creds: grpc.ChannelCredentials | None) -> grpc.aio.Channel:
+    return (grpc.aio.insecure_channel(address, options=_OPTIONS) if creds is None
+            else grpc.aio.secure_channel(address, creds, options=_OPTIONS))
+
+
 def _ids(message: Message | Iterable[Message]) -> list[int]:
     if isinstance(message, Message):
         return [message.delivery_id]
@@ -511,7 +583,7 @@ def _ids(message: Message | Iterable[Message]) -> list[int]:
 class Client:
     def __init__(
         self,
-        target: str = "127.0.0.1:50051",
+        target: str | Sequence[str] = "127.0.0.1:50051",
         username: str | None = "guest",
         password: str | None = "guest",
         vhost: str = "/",
@@ -521,50 +593,150 @@ class Client:
         ca: str | bytes | None = None,
         cert: str | bytes | None = None,
         key: str | bytes | None = None,
+        region: str | None = None,
+        probes: int = PROBES,
+        probe_timeout: float = PROBE_TIMEOUT,
     ) -> None:
-        """``tls``/``ca``/``cert``/``key``: a node started with --grpc-tls (see :func:`credentials`)."""
-        creds = credentials(tls, ca, cert, key)
-        self._channel = (grpc.insecure_channel(target, options=_OPTIONS) if creds is None
-                         else grpc.secure_channel(target, creds, options=_OPTIONS))
-        self._stub = pb_grpc.BrokerStub(self._channel)
+        """``tls``/``ca``/``cert``/``key``: a node started with --grpc-tls (see :func:`credentials`).
+
+        ``target``: one address, or several (a list or "a:1,b:2"): then the nearest node is chosen, in
+        ``region`` if given (see the module's docstring), and ``nodes`` holds the ranking.
+        """
+        self._creds = credentials(tls, ca, cert, key)
         self._md = _metadata(username, password, vhost)
         self.timeout = timeout
+        self.region = region
+        self.probes, self.probe_timeout = probes, probe_timeout
         self._subscribers: list[Subscriber | StatusSubscriber] = []
+        self._lock = threading.Lock()
+        self._generation = 0  # bumped at each move to another node
+        addresses = _addresses(target)
+        self.nodes = [NodeChoice(a) for a in addresses]
+        self._index = 0
+        if len(addresses) > 1:
+            self.choose()
+        else:
+            self._channel = _make_channel(addresses[0], self._creds)
+            self._stub = pb_grpc.BrokerStub(self._channel)
 
-    def _call(self, method: Any, request: Any) -> Any:
-        try:
-            return method(request, metadata=self._md, timeout=self.timeout)
-        except grpc.RpcError as exc:
-            raise _wrap(exc) from None
+    @property
+    def address(self) -> str:
+        """The address of the node this client talks to now."""
+        return self.nodes[self._index].address
+
+    def choose(self) -> list[NodeChoice]:
+        """Probe every address and connect to the nearest (the module's docstring says how); the ranking."""
+        channels = {c.address: _make_channel(c.address, self._creds) for c in self.nodes}
+        ready = {a: grpc.channel_ready_future(ch) for a, ch in channels.items()}
+        deadline = time.monotonic() + self.probe_timeout
+        found: list[NodeChoice] = []
+        for address, future in ready.items():
+            try:
+                future.result(timeout=max(0.0, deadline - time.monotonic()))
+            except grpc.FutureTimeoutError:
+                future.cancel()
+                found.append(NodeChoice(address))
+                continue
+            found.append(self._probe(address, pb_grpc.BrokerStub(channels[address])))
+        ranked = rank(found, self.region)
+        with self._lock:
+            old = getattr(self, "_channel", None)
+            self.nodes, self._index = ranked, 0
+            self._channel = channels.pop(ranked[0].address)
+            self._stub = pb_grpc.BrokerStub(self._channel)
+            self._generation += 1
+        for ch in channels.values():
+            ch.close()
+        if old is not None:
+            old.close()
+        return ranked
+
+    def _probe(self, address: str, stub: pb_grpc.BrokerStub) -> NodeChoice:
+        best, reply = math.inf, None
+        for _ in range(max(1, self.probes)):
+            sent = time.perf_counter()
+            try:
+                reply = stub.Nodes(pb.NodesRequest(), metadata=self._md, timeout=self.probe_timeout)
+            except grpc.RpcError as exc:
+                if exc.code() != grpc.StatusCode.UNIMPLEMENTED:  # type: ignore[attr-defined]
+                    return NodeChoice(address)  # refused or gone: not a candidate to start on
+            best = min(best, time.perf_counter() - sent)
+        return _answered(address, reply, best)
+
+    def _fail_over(self, generation: int) -> bool:
+        """Move to the next node of the ranking, unless another thread moved since ``generation``."""
+        with self._lock:
+            if generation != self._generation:
+                return True
+            if len(self.nodes) < 2:
+                return False
+            old = self._channel
+            self._index = (self._index + 1) % len(self.nodes)
+            self._channel = _make_channel(self.nodes[self._index].address, self._creds)
+            self._stub = pb_grpc.BrokerStub(self._channel)
+            self._generation += 1
+        old.close()  # its streams end CANCELLED and subscribe again on the new node
+        return True
+
+    def _ready(self, wait: float) -> None:
+        """The current node answers within ``wait`` seconds, moving along the ranking if it does not."""
+        deadline = time.monotonic() + wait
+        while True:
+            generation, channel = self._generation, self._channel
+            step = max(0.01, deadline - time.monotonic())
+            if len(self.nodes) > 1:
+                step = min(step, FAILOVER_WAIT)
+            try:
+                grpc.channel_ready_future(channel).result(timeout=step)
+                return
+            except grpc.FutureTimeoutError:
+                if time.monotonic() >= deadline or not self._fail_over(generation):
+                    raise
+
+    def _call(self, name: str, request: Any) -> Any:
+        for attempt in range(len(self.nodes)):
+            generation = self._generation
+            try:
+                return getattr(self._stub, name)(request, metadata=self._md, timeout=self.timeout)
+            except grpc.RpcError as exc:
+                gone = exc.code() == grpc.StatusCode.UNAVAILABLE  # type: ignore[attr-defined]
+                if not gone or attempt == len(self.nodes) - 1 or not self._fail_over(generation):
+                    raise _wrap(exc) from None
+        raise AssertionError("unreachable")
+
+    def list_nodes(self) -> tuple[str, list[NodeChoice]]:
+        """(the id of the node this client talks to, the cluster's live nodes: id, region, grpc address)."""
+        r = self._call("Nodes", pb.NodesRequest())
+        return r.node, [NodeChoice(n.grpc, n.id, n.region) for n in r.nodes]
 
     # queues
     def create_queue(
         self, name: str, durable: bool = False, exist_ok: bool = False, auto_delete: bool = False,
         max_length: int = 0, message_ttl_ms: int = 0,
     ) -> QueueInfo:
-        return QueueInfo._from(self._call(self._stub.CreateQueue, pb.CreateQueueRequest(
+        return QueueInfo._from(self._call("CreateQueue", pb.CreateQueueRequest(
             name=name, durable=durable, exist_ok=exist_ok, auto_delete=auto_delete, max_length=max_length,
             message_ttl_ms=message_ttl_ms)))
 
     def delete_queue(self, name: str, if_unused: bool = False, if_empty: bool = False) -> int:
-        r = self._call(self._stub.DeleteQueue, pb.DeleteQueueRequest(name=name, if_unused=if_unused, if_empty=if_empty))
+        r = self._call("DeleteQueue", pb.DeleteQueueRequest(name=name, if_unused=if_unused, if_empty=if_empty))
         return int(r.messages_dropped)
 
     def list_queues(self) -> list[QueueInfo]:
-        return [QueueInfo._from(q) for q in self._call(self._stub.ListQueues, pb.ListQueuesRequest()).queues]
+        return [QueueInfo._from(q) for q in self._call("ListQueues", pb.ListQueuesRequest()).queues]
 
     # channels
     def create_channel(self, queue: str, topic: str | None = None, kind: str | None = None, name: str = "") -> str:
         """A channel on ``queue``; ``topic`` filters by exact topic, prefix (kind="prefix") or pattern (* #)."""
-        r = self._call(self._stub.CreateChannel,
+        r = self._call("CreateChannel",
                        pb.CreateChannelRequest(queue=queue, topic=topic or "", kind=_kind(kind), name=name))  # type: ignore[arg-type]
         return str(r.id)
 
     def delete_channel(self, channel_id: str) -> int:
-        return int(self._call(self._stub.DeleteChannel, pb.DeleteChannelRequest(id=channel_id)).messages_dropped)
+        return int(self._call("DeleteChannel", pb.DeleteChannelRequest(id=channel_id)).messages_dropped)
 
     def list_channels(self, queue: str = "") -> list[ChannelInfo]:
-        r = self._call(self._stub.ListChannels, pb.ListChannelsRequest(queue=queue))
+        r = self._call("ListChannels", pb.ListChannelsRequest(queue=queue))
         return [ChannelInfo._from(c) for c in r.channels]
 
     # messages
@@ -573,13 +745,13 @@ class Client:
         persistent: bool | None = None,
     ) -> str:
         """Push one message; returns its id once the broker holds it (committed, if persistent)."""
-        return str(self._call(self._stub.Push, _push_request(queue, content, topic, properties, persistent)).id)
+        return str(self._call("Push", _push_request(queue, content, topic, properties, persistent)).id)
 
     def push_many(
         self, queue: str, contents: Iterable[bytes], topic: str | None = None,
         properties: dict[str, Any] | None = None, persistent: bool | None = None,
     ) -> list[str]:
-        r = self._call(self._stub.PushBatch, _batch_request(queue, contents, topic, properties, persistent))
+        r = self._call("PushBatch", _batch_request(queue, contents, topic, properties, persistent))
         return [x.id for x in r.results]
 
     def subscribe(self, channel_id: str, prefetch: int = 0, auto_ack: bool = False, max_batch: int = 0,
@@ -592,7 +764,7 @@ class Client:
                                       max_batch=max_batch)
 
         def reopen(wait: float) -> Any:
-            grpc.channel_ready_future(self._channel).result(timeout=wait)  # grpc.FutureTimeoutError
+            self._ready(wait)  # grpc.FutureTimeoutError
             return self._stub.Subscribe(request, metadata=self._md)
 
         call = self._stub.Subscribe(request, metadata=self._md)
@@ -607,10 +779,10 @@ class Client:
         return sub
 
     def ack(self, message: Message | Iterable[Message]) -> int:
-        return int(self._call(self._stub.Ack, pb.AckRequest(delivery_ids=_ids(message))).settled)
+        return int(self._call("Ack", pb.AckRequest(delivery_ids=_ids(message))).settled)
 
     def nack(self, message: Message | Iterable[Message], requeue: bool = True) -> int:
-        return int(self._call(self._stub.Nack, pb.NackRequest(delivery_ids=_ids(message), requeue=requeue)).settled)
+        return int(self._call("Nack", pb.NackRequest(delivery_ids=_ids(message), requeue=requeue)).settled)
 
     def status_subscriber(self) -> StatusSubscriber:
         call = self._stub.WatchCluster(pb.WatchClusterRequest(), metadata=self._md)
@@ -824,7 +996,7 @@ class AsyncStatusSubscriber:
 class AsyncClient:
     def __init__(
         self,
-        target: str = "127.0.0.1:50051",
+        target: str | Sequence[str] = "127.0.0.1:50051",
         username: str | None = "guest",
         password: str | None = "guest",
         vhost: str = "/",
@@ -834,64 +1006,168 @@ class AsyncClient:
         ca: str | bytes | None = None,
         cert: str | bytes | None = None,
         key: str | bytes | None = None,
+        region: str | None = None,
+        probes: int = PROBES,
+        probe_timeout: float = PROBE_TIMEOUT,
     ) -> None:
-        """``tls``/``ca``/``cert``/``key``: a node started with --grpc-tls (see :func:`credentials`)."""
-        creds = credentials(tls, ca, cert, key)
-        self._channel = (grpc.aio.insecure_channel(target, options=_OPTIONS) if creds is None
-                         else grpc.aio.secure_channel(target, creds, options=_OPTIONS))
-        self._stub = pb_grpc.BrokerStub(self._channel)
+        """As ``Client``; with several addresses the nearest is chosen at the first call (or ``await choose()``)."""
+        self._creds = credentials(tls, ca, cert, key)
         self._md = _metadata(username, password, vhost)
         self.timeout = timeout
+        self.region = region
+        self.probes, self.probe_timeout = probes, probe_timeout
         self._subscribers: list[AsyncSubscriber] = []
+        self._generation = 0
+        addresses = _addresses(target)
+        self.nodes = [NodeChoice(a) for a in addresses]
+        self._index = 0
+        self._channel: grpc.aio.Channel | None = None
+        self._stub: Any = None
+        self._choosing: asyncio.Future[list[NodeChoice]] | None = None
+        if len(addresses) == 1:
+            self._channel = _make_aio_channel(addresses[0], self._creds)
+            self._stub = pb_grpc.BrokerStub(self._channel)
 
-    async def _call(self, method: Any, request: Any) -> Any:
-        try:
-            return await method(request, metadata=self._md, timeout=self.timeout)
-        except grpc.RpcError as exc:
-            raise _wrap(exc) from None
+    @property
+    def address(self) -> str:
+        return self.nodes[self._index].address
+
+    async def choose(self) -> list[NodeChoice]:
+        """As ``Client.choose`` (the addresses are dialled at once, then probed in turn)."""
+        channels = {c.address: _make_aio_channel(c.address, self._creds) for c in self.nodes}
+
+        async def up(ch: grpc.aio.Channel) -> bool:
+            try:
+                await asyncio.wait_for(ch.channel_ready(), self.probe_timeout)
+            except TimeoutError:
+                return False
+            return True
+
+        alive = await asyncio.gather(*(up(ch) for ch in channels.values()))
+        found = [await self._probe(a, pb_grpc.BrokerStub(channels[a])) if ok else NodeChoice(a)
+                 for a, ok in zip(channels, alive, strict=True)]
+        ranked = rank(found, self.region)
+        old = self._channel
+        self.nodes, self._index = ranked, 0
+        self._channel = channels.pop(ranked[0].address)
+        self._stub = pb_grpc.BrokerStub(self._channel)
+        self._generation += 1
+        for ch in channels.values():
+            await ch.close()
+        if old is not None:
+            await old.close()
+        return ranked
+
+    async def _probe(self, address: str, stub: pb_grpc.BrokerStub) -> NodeChoice:
+        best, reply = math.inf, None
+        for _ in range(max(1, self.probes)):
+            sent = time.perf_counter()
+            try:
+                reply = await stub.Nodes(pb.NodesRequest(), metadata=self._md, timeout=self.probe_timeout)
+            except grpc.RpcError as exc:
+                if exc.code() != grpc.StatusCode.UNIMPLEMENTED:  # type: ignore[attr-defined]
+                    return NodeChoice(address)
+            best = min(best, time.perf_counter() - sent)
+        return _answered(address, reply, best)
+
+    async def _chosen(self) -> None:
+        """Choose the node once (concurrent first calls share the one probe)."""
+        if self._stub is not None:
+            return
+        if self._choosing is None:
+            self._choosing = asyncio.ensure_future(self.choose())
+        await asyncio.shield(self._choosing)
+
+    async def _fail_over(self, generation: int) -> bool:
+        if generation != self._generation:
+            return True
+        if len(self.nodes) < 2:
+            return False
+        old = self._channel
+        self._index = (self._index + 1) % len(self.nodes)
+        self._channel = _make_aio_channel(self.nodes[self._index].address, self._creds)
+        self._stub = pb_grpc.BrokerStub(self._channel)
+        self._generation += 1
+        if old is not None:
+            await old.close()  # its streams end CANCELLED and subscribe again on the new node
+        return True
+
+    async def _ready(self, wait: float) -> None:
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + wait
+        while True:
+            generation, channel = self._generation, self._channel
+            assert channel is not None
+            step = max(0.01, deadline - loop.time())
+            if len(self.nodes) > 1:
+                step = min(step, FAILOVER_WAIT)
+            try:
+                await asyncio.wait_for(channel.channel_ready(), step)
+                return
+            except TimeoutError:
+                if loop.time() >= deadline or not await self._fail_over(generation):
+                    raise
+
+    async def _call(self, name: str, request: Any) -> Any:
+        if self._stub is None:
+            await self._chosen()
+        for attempt in range(len(self.nodes)):
+            generation = self._generation
+            try:
+                return await getattr(self._stub, name)(request, metadata=self._md, timeout=self.timeout)
+            except grpc.RpcError as exc:
+                gone = exc.code() == grpc.StatusCode.UNAVAILABLE  # type: ignore[attr-defined]
+                if not gone or attempt == len(self.nodes) - 1 or not await self._fail_over(generation):
+                    raise _wrap(exc) from None
+        raise AssertionError("unreachable")
+
+    async def list_nodes(self) -> tuple[str, list[NodeChoice]]:
+        """As ``Client.list_nodes``."""
+        r = await self._call("Nodes", pb.NodesRequest())
+        return r.node, [NodeChoice(n.grpc, n.id, n.region) for n in r.nodes]
 
     async def create_queue(
         self, name: str, durable: bool = False, exist_ok: bool = False, auto_delete: bool = False,
         max_length: int = 0, message_ttl_ms: int = 0,
     ) -> QueueInfo:
-        return QueueInfo._from(await self._call(self._stub.CreateQueue, pb.CreateQueueRequest(
+        return QueueInfo._from(await self._call("CreateQueue", pb.CreateQueueRequest(
             name=name, durable=durable, exist_ok=exist_ok, auto_delete=auto_delete, max_length=max_length,
             message_ttl_ms=message_ttl_ms)))
 
     async def delete_queue(self, name: str, if_unused: bool = False, if_empty: bool = False) -> int:
-        r = await self._call(self._stub.DeleteQueue,
+        r = await self._call("DeleteQueue",
                              pb.DeleteQueueRequest(name=name, if_unused=if_unused, if_empty=if_empty))
         return int(r.messages_dropped)
 
     async def list_queues(self) -> list[QueueInfo]:
-        return [QueueInfo._from(q) for q in (await self._call(self._stub.ListQueues, pb.ListQueuesRequest())).queues]
+        return [QueueInfo._from(q) for q in (await self._call("ListQueues", pb.ListQueuesRequest())).queues]
 
     async def create_channel(self, queue: str, topic: str | None = None, kind: str | None = None,
                              name: str = "") -> str:
-        r = await self._call(self._stub.CreateChannel,
+        r = await self._call("CreateChannel",
                              pb.CreateChannelRequest(queue=queue, topic=topic or "", kind=_kind(kind), name=name))  # type: ignore[arg-type]
         return str(r.id)
 
     async def delete_channel(self, channel_id: str) -> int:
-        r = await self._call(self._stub.DeleteChannel, pb.DeleteChannelRequest(id=channel_id))
+        r = await self._call("DeleteChannel", pb.DeleteChannelRequest(id=channel_id))
         return int(r.messages_dropped)
 
     async def list_channels(self, queue: str = "") -> list[ChannelInfo]:
-        r = await self._call(self._stub.ListChannels, pb.ListChannelsRequest(queue=queue))
+        r = await self._call("ListChannels", pb.ListChannelsRequest(queue=queue))
         return [ChannelInfo._from(c) for c in r.channels]
 
     async def push(
         self, queue: str, content: bytes, topic: str | None = None, properties: dict[str, Any] | None = None,
         persistent: bool | None = None,
     ) -> str:
-        r = await self._call(self._stub.Push, _push_request(queue, content, topic, properties, persistent))
+        r = await self._call("Push", _push_request(queue, content, topic, properties, persistent))
         return str(r.id)
 
     async def push_many(
         self, queue: str, contents: Iterable[bytes], topic: str | None = None,
         properties: dict[str, Any] | None = None, persistent: bool | None = None,
     ) -> list[str]:
-        r = await self._call(self._stub.PushBatch, _batch_request(queue, contents, topic, properties, persistent))
+        r = await self._call("PushBatch", _batch_request(queue, contents, topic, properties, persistent))
         return [x.id for x in r.results]
 
     async def subscribe(self, channel_id: str, prefetch: int = 0, auto_ack: bool = False, max_batch: int = 0,
@@ -901,9 +1177,10 @@ class AsyncClient:
                                       max_batch=max_batch)
 
         async def reopen(wait: float) -> Any:
-            await asyncio.wait_for(self._channel.channel_ready(), wait)
+            await self._ready(wait)
             return self._stub.Subscribe(request, metadata=self._md)
 
+        await self._chosen()
         call = self._stub.Subscribe(request, metadata=self._md)
         try:
             await call.initial_metadata()
@@ -919,20 +1196,24 @@ class AsyncClient:
         return sub
 
     async def ack(self, message: Message | Iterable[Message]) -> int:
-        return int((await self._call(self._stub.Ack, pb.AckRequest(delivery_ids=_ids(message)))).settled)
+        return int((await self._call("Ack", pb.AckRequest(delivery_ids=_ids(message)))).settled)
 
     async def nack(self, message: Message | Iterable[Message], requeue: bool = True) -> int:
-        r = await self._call(self._stub.Nack, pb.NackRequest(delivery_ids=_ids(message), requeue=requeue))
+        r = await self._call("Nack", pb.NackRequest(delivery_ids=_ids(message), requeue=requeue))
         return int(r.settled)
 
     async def status_subscriber(self) -> AsyncStatusSubscriber:
+        await self._chosen()
         return AsyncStatusSubscriber(self._stub.WatchCluster(pb.WatchClusterRequest(), metadata=self._md))
 
     async def close(self) -> None:
         for s in self._subscribers:
             await s.close()
         self._subscribers.clear()
-        await self._channel.close()
+        if self._choosing is not None and not self._choosing.done():
+            self._choosing.cancel()
+        if self._channel is not None:
+            await self._channel.close()
 
     async def __aenter__(self) -> AsyncClient:
         return self

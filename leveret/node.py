@@ -69,6 +69,7 @@ class Node:
             ),
         )
         self.grpc = GRPCServer(self.broker, config.max_message_size)
+        self.grpc.servicer.region = config.region
         self.cluster: EtcdCluster | None = None
         self.cluster_server: ClusterServer | None = None
         # AMQPS (and gRPC with --grpc-tls): one context, reloaded on SIGHUP for new connections.
@@ -212,6 +213,7 @@ class Node:
         )
         cluster = EtcdCluster(self.broker, self.store, self.broker.committer, settings,
                               on_event=self.grpc.servicer.cluster_event)
+        self.grpc.servicer.members = cluster.members
         self.cluster_server = ClusterServer(cluster.service, auth)
         log.info("cluster peers authenticate with " + auth.mode)
         return cluster

@@ -62,3 +62,22 @@ def test_queue_region_reads_metadata() -> None:
     assert queue_region({"durable": True}) is None  # recorded before regions were kept
     assert queue_region(None) is None
     assert queue_region({"region": 3}) is None
+
+
+# -- leveret.client's nearest-node ranking (the client side of the same note) -------------------
+def test_client_ranks_own_region_then_round_trip_then_silent() -> None:
+    import math
+
+    from leveret.client import NodeChoice, rank
+
+    a1 = NodeChoice("a1:1", "n1", "A", 0.001)
+    a2 = NodeChoice("a2:1", "n2", "A", 0.0005)
+    b1 = NodeChoice("b1:1", "n3", "B", 0.080)
+    b2 = NodeChoice("b2:1", "n4", "B", 0.085)
+    dead = NodeChoice("x:1", rtt=math.inf)
+    older = NodeChoice("o:1", rtt=0.0001)  # answered without the Nodes call: region unknown
+    assert [c.address for c in rank([dead, a1, b2, a2, b1], "B")] == ["b1:1", "b2:1", "a2:1", "a1:1", "x:1"]
+    # No region, or one no node is in: round trip alone.
+    assert [c.address for c in rank([dead, a1, b2, a2, b1], None)] == ["a2:1", "a1:1", "b1:1", "b2:1", "x:1"]
+    assert [c.address for c in rank([b1, older, a1], "C")] == ["o:1", "a1:1", "b1:1"]
+    assert [c.address for c in rank([b1, older, a1], "B")] == ["b1:1", "o:1", "a1:1"]

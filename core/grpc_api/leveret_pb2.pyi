@@ -263,6 +263,36 @@ class WatchClusterRequest(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...
 
+class NodesRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class NodeEntry(_message.Message):
+    __slots__ = ("id", "region", "grpc", "amqp", "queues", "draining")
+    ID_FIELD_NUMBER: _ClassVar[int]
+    REGION_FIELD_NUMBER: _ClassVar[int]
+    GRPC_FIELD_NUMBER: _ClassVar[int]
+    AMQP_FIELD_NUMBER: _ClassVar[int]
+    QUEUES_FIELD_NUMBER: _ClassVar[int]
+    DRAINING_FIELD_NUMBER: _ClassVar[int]
+    id: str
+    region: str
+    grpc: str
+    amqp: str
+    queues: int
+    draining: bool
+    def __init__(self, id: _Optional[str] = ..., region: _Optional[str] = ..., grpc: _Optional[str] = ..., amqp: _Optional[str] = ..., queues: _Optional[int] = ..., draining: _Optional[bool] = ...) -> None: ...
+
+class NodesResponse(_message.Message):
+    __slots__ = ("node", "region", "nodes")
+    NODE_FIELD_NUMBER: _ClassVar[int]
+    REGION_FIELD_NUMBER: _ClassVar[int]
+    NODES_FIELD_NUMBER: _ClassVar[int]
+    node: str
+    region: str
+    nodes: _containers.RepeatedCompositeFieldContainer[NodeEntry]
+    def __init__(self, node: _Optional[str] = ..., region: _Optional[str] = ..., nodes: _Optional[_Iterable[_Union[NodeEntry, _Mapping]]] = ...) -> None: ...
+
 class ClusterEvent(_message.Message):
     __slots__ = ("kind", "node", "vhost", "queue", "timestamp_ms")
     class Kind(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):

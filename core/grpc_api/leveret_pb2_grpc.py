@@ -94,6 +94,11 @@ class BrokerStub:
                 request_serializer=core_dot_grpc__api_dot_leveret__pb2.WatchClusterRequest.SerializeToString,
                 response_deserializer=core_dot_grpc__api_dot_leveret__pb2.ClusterEvent.FromString,
                 _registered_method=True)
+        self.Nodes = channel.unary_unary(
+                '/leveret.v1.Broker/Nodes',
+                request_serializer=core_dot_grpc__api_dot_leveret__pb2.NodesRequest.SerializeToString,
+                response_deserializer=core_dot_grpc__api_dot_leveret__pb2.NodesResponse.FromString,
+                _registered_method=True)
 
 
 class BrokerServicer:
@@ -173,6 +178,15 @@ class BrokerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Nodes(self, request, context):
+        """The node that answers and the cluster's live nodes, with their regions
+        (itself alone when not clustered): what leveret.client's nearest-node
+        choice asks, and cheap enough to time as its round-trip probe.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_BrokerServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -235,6 +249,11 @@ def add_BrokerServicer_to_server(servicer, server):
                     servicer.WatchCluster,
                     request_deserializer=core_dot_grpc__api_dot_leveret__pb2.WatchClusterRequest.FromString,
                     response_serializer=core_dot_grpc__api_dot_leveret__pb2.ClusterEvent.SerializeToString,
+            ),
+            'Nodes': grpc.unary_unary_rpc_method_handler(
+                    servicer.Nodes,
+                    request_deserializer=core_dot_grpc__api_dot_leveret__pb2.NodesRequest.FromString,
+                    response_serializer=core_dot_grpc__api_dot_leveret__pb2.NodesResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -561,6 +580,33 @@ class Broker:
             '/leveret.v1.Broker/WatchCluster',
             core_dot_grpc__api_dot_leveret__pb2.WatchClusterRequest.SerializeToString,
             core_dot_grpc__api_dot_leveret__pb2.ClusterEvent.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Nodes(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/leveret.v1.Broker/Nodes',
+            core_dot_grpc__api_dot_leveret__pb2.NodesRequest.SerializeToString,
+            core_dot_grpc__api_dot_leveret__pb2.NodesResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -272,6 +272,11 @@ class BrokerServicer(pb_grpc.BrokerServicer):
         self._channel_names = itertools.count(1)
         # (username, password, peer host) -> user: one PBKDF2 check per client, not per call.
         self._logins: dict[tuple[str, bytes, str | None], User] = {}
+        # This node's --region and, in a cluster, the live members (set by the
+        # node's wiring: core cannot ask the coordinator's mirror itself).
+        self.region = ""
+        # Each member: NodeEntry's fields (id, region, grpc, amqp, queues, draining).
+        self.members: Callable[[], list[dict[str, Any]]] | None = None
         for vh in broker.vhosts.values():
             self._observe(vh)
 
@@ -645,6 +650,15 @@ class BrokerServicer(pb_grpc.BrokerServicer):
                 yield ev
         finally:
             self.watchers.remove(events)
+
+    async def Nodes(self, request: pb.NodesRequest, context: Any) -> pb.NodesResponse:
+        async with _errors(context):
+            self._login(context)
+            members = (self.members() if self.members is not None
+                       else [{"id": self.broker.node_id, "region": self.region}])
+            return pb.NodesResponse(node=self.broker.node_id, region=self.region,
+                                    nodes=[pb.NodeEntry(**m) for m in members])
+        raise AssertionError("unreachable")
 
 
 def _peer_host(peer: str) -> str | None:
