@@ -18,9 +18,13 @@ the idle A nodes) and the client follows to it. The figures are printed
 
 from __future__ import annotations
 
+import base64
+import json
 import statistics
 import time
-from collections.abc import Iterator
+import urllib.request
+from collections.abc import Callable, Iterator
+from typing import Any
 
 import pytest
 from psycopg.conninfo import conninfo_to_dict, make_conninfo
@@ -45,7 +49,7 @@ def regions() -> Iterator[tuple[Cluster, DelayLinks, dict[str, str]]]:
         nodes: dict[str, ClusterNode] = {}
         for region in ("A", "A", "B", "B"):
             node_id = f"n{len(nodes) + 1}"
-            remote = links.add(lambda n=node_id: nodes[n].cluster_port, DELAY)
+            remote = links.add(_cluster_port(nodes, node_id), DELAY)
             extra = ["--advertise-cluster-remote", remote.address]
             if region == "B":
                 extra += ["--etcd", f"http://{etcd_b.address}", "--postgres-dsn", dsn_b]
@@ -63,6 +67,18 @@ def regions() -> Iterator[tuple[Cluster, DelayLinks, dict[str, str]]]:
             "n4": links.add(lambda: nodes["n4"].grpc_port, NEAR).address,
         }
         yield cluster, links, addresses
+
+
+def _get_json(port: int, path: str) -> Any:
+    request = urllib.request.Request(f"http://127.0.0.1:{port}{path}")
+    request.add_header("Authorization", "Basic " + base64.b64encode(b"guest:guest").decode())
+    with urllib.request.urlopen(request, timeout=10) as response:
+        return json.loads(response.read())
+
+
+def _cluster_port(nodes: dict[str, ClusterNode], node_id: str) -> Callable[[], int]:
+    """The node's cluster port as of its latest start (fresh at each)."""
+    return lambda: nodes[node_id].cluster_port
 
 
 def _round_trips(client: Client, sub: Subscriber, queue: str, count: int) -> list[float]:
@@ -90,6 +106,13 @@ def test_region_b_queue_stays_in_b_fast_and_fails_over_in_b(
     cluster, _links, addr = regions
     status = cluster.status()
     assert {n["id"]: n["region"] for n in status["nodes"]} == {"n1": "A", "n2": "A", "n3": "B", "n4": "B"}
+    assert [(r["region"], r["nodes"]) for r in status["regions"]] == [("A", ["n1", "n2"]), ("B", ["n3", "n4"])]
+    table = cluster.cli("status").stdout
+    assert "region A: 2 node(s), 2 taking queues" in table and "region B: 2 node(s)" in table, table
+    overview = _get_json(cluster["n1"].management_port, "/api/overview")
+    assert [(r["region"], r["nodes"]) for r in overview["regions"]] == [("A", ["n1", "n2"]), ("B", ["n3", "n4"])]
+    assert {n["name"]: n["region"] for n in _get_json(cluster["n3"].management_port, "/api/nodes")} == {
+        "n1": "A", "n2": "A", "n3": "B", "n4": "B"}
 
     # A client in B given every node's address picks the nearest B node.
     b_client = Client([addr["n1"], addr["n2"], addr["n4"], addr["n3"]], region="B", timeout=10)

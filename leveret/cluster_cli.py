@@ -82,31 +82,56 @@ async def snapshot(endpoints: list[str], cluster: str) -> dict[str, Any]:
     counts = {n: 0 for n in nodes}
     for node, _ in owners.values():
         counts[node] = counts.get(node, 0) + 1
+    node_list = [
+        {"id": n, "region": v.get("region", ""), "amqp": v.get("amqp", ""), "grpc": v.get("grpc", ""),
+         "queues": counts.get(n, 0), "draining": bool(v.get("draining", False))}
+        for n, v in sorted(nodes.items())
+    ]
     return {
-        "nodes": [
-            {"id": n, "region": v.get("region", ""), "amqp": v.get("amqp", ""), "grpc": v.get("grpc", ""),
-             "queues": counts.get(n, 0), "draining": bool(v.get("draining", False))}
-            for n, v in sorted(nodes.items())
-        ],
+        "nodes": node_list,
+        "regions": regions_of(node_list),
         "queues": [
             {"vhost": vq[0], "name": vq[1], "owner": owners.get(vq, ("", 0))[0] or None,
              "epoch": owners.get(vq, ("", 0))[1], "durable": bool(meta.get("durable")),
-             "exclusive": bool(meta.get("exclusive"))}
+             "exclusive": bool(meta.get("exclusive")), "region": meta.get("region")}
             for vq, meta in sorted(queues.items())
         ],
     }
 
 
+def regions_of(nodes: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Per region (\"\" for nodes without one), by name: its nodes, how many take queues, the queues they own.
+
+    ``nodes``: dicts with ``id``, ``region``, ``queues`` (owned) and ``draining``, as ``snapshot`` lists them.
+    """
+    out: dict[str, dict[str, Any]] = {}
+    for n in nodes:
+        r = out.setdefault(n["region"], {"region": n["region"], "nodes": [], "live": 0, "queues": 0})
+        r["nodes"].append(n["id"])
+        r["live"] += 0 if n["draining"] else 1
+        r["queues"] += n["queues"]
+    return [out[k] for k in sorted(out)]
+
+
 def _print_table(snap: dict[str, Any]) -> None:
-    print(f"{'node':<24} {'region':<12} {'amqp':<22} {'grpc':<22} queues")
+    # Grouped by region: placement keeps a queue in its declaring node's region (docs/notes/region.md).
+    by_region: dict[str, list[dict[str, Any]]] = {}
     for n in snap["nodes"]:
-        flag = " (draining)" if n["draining"] else ""
-        print(f"{n['id']:<24} {n['region'] or '-':<12} {n['amqp']:<22} {n['grpc']:<22} {n['queues']}{flag}")
+        by_region.setdefault(n["region"], []).append(n)
+    for summary in snap["regions"]:
+        region = summary["region"]
+        print(f"region {region or '(none)'}: {len(summary['nodes'])} node(s), {summary['live']} taking queues, "
+              f"{summary['queues']} queue(s) owned")
+        print(f"  {'node':<24} {'amqp':<22} {'grpc':<22} queues")
+        for n in by_region.get(region, []):
+            flag = " (draining)" if n["draining"] else ""
+            print(f"  {n['id']:<24} {n['amqp']:<22} {n['grpc']:<22} {n['queues']}{flag}")
     print()
-    print(f"{'vhost':<10} {'queue':<32} {'owner':<24} {'epoch':>8} durable")
+    print(f"{'vhost':<10} {'queue':<32} {'owner':<24} {'region':<12} {'epoch':>8} durable")
     for q in snap["queues"]:
-        print(f"{q['vhost']:<10} {q['name']:<32} {q['owner'] or '(none)':<24} {q['epoch']:>8} "
-              f"{'yes' if q['durable'] else 'no'}")
+        region = q["region"] if q["region"] is not None else "-"
+        print(f"{q['vhost']:<10} {q['name']:<32} {q['owner'] or '(none)':<24} {region or '(none)':<12} "
+              f"{q['epoch']:>8} {'yes' if q['durable'] else 'no'}")
 
 
 async def drain(endpoints: list[str], cluster: str, node: str, wait: float) -> int:

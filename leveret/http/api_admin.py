@@ -17,6 +17,7 @@ from core.engine.broker import RABBIT_SHA256, Permission, User
 from core.engine.stats import QUEUE_FIELDS, queue_counters
 from core.model.policy import Policy, PolicyError
 from leveret import __version__, resources
+from leveret.cluster_cli import regions_of
 from leveret.http import api_shovels, listing, metadata
 from leveret.http.api_topology import owner_counts
 from leveret.http.errors import bad_request, not_found
@@ -126,6 +127,9 @@ async def overview(call: Call) -> dict[str, Any]:
             "queues": sum(len(vh.queues) for vh in vhosts), "consumers": consumers},
         "listeners": _listeners(call), "contexts": [
             {"node": call.node_name, "description": "RabbitMQ Management", "path": "/", "port": str(call.api.port)}],
+        # Not in RabbitMQ's overview (it has no regions): the nodes per region (docs/notes/region.md).
+        "regions": regions_of([{"id": n["name"], "region": n.get("region", ""), "queues": n.get("owned_queues", 0),
+                                "draining": bool(n.get("being_drained"))} for n in _all_nodes(call)]),
     }
 
 
@@ -142,9 +146,19 @@ def _node_json(call: Call) -> dict[str, Any]:
         "fd_used": resources.open_fds(),
         "sockets_used": len(call.node.amqp.connections), "proc_used": 1, "processors": os.cpu_count() or 1,
         "uptime": int((time.time() - call.api.started_at) * 1000), "partitions": [],
-        "run_queue": 0, "rates_mode": "basic", "being_drained": False,
+        "run_queue": 0, "rates_mode": "basic",
+        "being_drained": call.node.cluster is not None and call.node.cluster.draining,
+        "region": call.node.config.region,
+        "owned_queues": _owned_here(call),
         "applications": [{"name": "leveret", "description": PRODUCT, "version": __version__}],
     }
+
+
+def _owned_here(call: Call) -> int:
+    cluster = call.node.cluster
+    if cluster is None:
+        return sum(len(vh.queues) for vh in call.broker.vhosts.values())
+    return sum(1 for node, _ in cluster.mirror.owners.values() if node == call.node_name)
 
 
 def _peer_json(call: Call, info: Any) -> dict[str, Any]:
