@@ -18,6 +18,7 @@ the idle A nodes) and the client follows to it. The figures are printed
 
 from __future__ import annotations
 
+import asyncio
 import base64
 import json
 import statistics
@@ -30,7 +31,7 @@ import pytest
 from psycopg.conninfo import conninfo_to_dict, make_conninfo
 
 from compat_tests.cluster_process import Cluster, ClusterNode
-from leveret.client import Client, Subscriber
+from leveret.client import AsyncClient, AsyncSubscriber, Client, Subscriber
 from tests.delay_proxy import DelayLinks
 
 pytestmark = pytest.mark.timeout(120)
@@ -124,13 +125,14 @@ def test_region_b_queue_stays_in_b_fast_and_fails_over_in_b(
         me, members = b_client.list_nodes()
         assert me == "n3" and {m.node: m.region for m in members} == {"n1": "A", "n2": "A", "n3": "B", "n4": "B"}
 
-        # Declared from region B (the balanced default): owned in B, although the A nodes are as idle.
+        # Declared from region B (the balanced default): owned in B (n3, ties by id), where placement
+        # without regions would have picked n1 (every node as idle).
         b_client.create_queue("geo-b", durable=True)
-        assert cluster.wait_owner("geo-b", timeout=10) in ("n3", "n4")
+        assert cluster.wait_owner("geo-b", timeout=10) == "n3"
         # A queue declared from region A, for the cross-region figure.
         with Client(f"127.0.0.1:{cluster['n1'].grpc_port}", timeout=10) as a_client:
             a_client.create_queue("geo-a", durable=True)
-        assert cluster.wait_owner("geo-a", timeout=10) in ("n1", "n2")
+        assert cluster.wait_owner("geo-a", timeout=10) == "n1"
         # n3 learns of it through its (slowed) etcd watch.
         cluster.wait_for(lambda: "geo-a" in {q.name for q in b_client.list_queues()}, "geo-a mirrored on n3", 10)
 
@@ -147,19 +149,57 @@ def test_region_b_queue_stays_in_b_fast_and_fails_over_in_b(
         assert cross[0] > 2 * DELAY * 1000, (intra, cross)
         sub_a.close()
 
-        # The B owner dies: the queue moves to the other B node, not to the idle A nodes.
-        owner = cluster.owner("geo-b")
-        assert owner is not None
-        other_b = "n4" if owner == "n3" else "n3"
+        # The async client, the same way (its subscription lives on this loop across the kill below).
+        loop = asyncio.new_event_loop()
+        a_sub = loop.run_until_complete(_async_client_checks(addr))
+        # The least loaded B node now is n4 (n3 owns geo-b); without regions it would be n2.
+        assert cluster.wait_owner("geo-b2", timeout=10) == "n4"
+
+        # The B owner (n3, also the clients' node) dies: the queue moves to n4, not to the idle n2
+        # (which placement without regions would pick: n1 owns geo-a, n2 < n4).
         killed = time.monotonic()
-        cluster.kill(owner)
-        assert cluster.wait_owner("geo-b", lambda o: o is not None and o != owner, timeout=20) == other_b
+        cluster.kill("n3")
+        assert cluster.wait_owner("geo-b", lambda o: o is not None and o != "n3", timeout=20) == "n4"
         moved = time.monotonic() - killed
-        # The client was on n3: if that was the owner, it moved to n4 (the next nearest), subscription too.
+        # The clients move to the next nearest node (n4), their subscriptions with them.
         b_client.push("geo-b", b"after", persistent=False)
         m = sub_b.get(timeout=15)
         assert m is not None and m.content == b"after", m
-        assert b_client.address == (addr["n4"] if owner == "n3" else addr["n3"])
-        print(f"owner {owner} killed: geo-b owned by {other_b} after {moved:.1f} s; client on {b_client.address}")
+        assert b_client.address == addr["n4"]
+        loop.run_until_complete(_async_after_failover(a_sub, addr["n4"]))
+        print(f"owner n3 killed: geo-b owned by n4 after {moved:.1f} s; clients on n4")
+
+        # A drain (graceful hand-over) follows the same rule: n4's queue goes back to n3 once it is up, not to n2.
+        cluster.restart_node("n3")
+        done = cluster.drain("n4")
+        assert done.returncode == 0, done.stderr
+        assert cluster.owner("geo-b") == "n3" and cluster.owner("geo-b2") == "n3"
+        b_client.push("geo-b", b"drained", persistent=False)
+        m = sub_b.get(timeout=15)
+        assert m is not None and m.content == b"drained", m
+        loop.run_until_complete(a_sub.client.close())
+        loop.close()
     finally:
         b_client.close()
+
+
+async def _async_client_checks(addr: dict[str, str]) -> AsyncSubscriber:
+    """AsyncClient mirrors Client: the same ranking; declares geo-b2 and subscribes (left open)."""
+    client = AsyncClient([addr["n1"], addr["n2"], addr["n4"], addr["n3"]], region="B", timeout=10)
+    ranked = await client.choose()
+    assert [c.node for c in ranked[:2]] == ["n3", "n4"] and [c.region for c in ranked[2:]] == ["A", "A"], ranked
+    me, _ = await client.list_nodes()
+    assert me == "n3"
+    await client.create_queue("geo-b2", durable=True)
+    sub = await client.subscribe("geo-b2/", auto_ack=True)
+    await client.push("geo-b2", b"async", persistent=False)
+    m = await sub.get(timeout=10)
+    assert m is not None and m.content == b"async", m
+    return sub
+
+
+async def _async_after_failover(sub: AsyncSubscriber, n4: str) -> None:
+    await sub.client.push("geo-b2", b"async-after", persistent=False)
+    m = await sub.get(timeout=15)
+    assert m is not None and m.content == b"async-after", m
+    assert sub.client.address == n4
