@@ -21,18 +21,22 @@ from __future__ import annotations
 import asyncio
 import base64
 import json
+import math
 import statistics
 import time
 import urllib.request
 from collections.abc import Callable, Iterator
+from pathlib import Path
 from typing import Any
 
 import pytest
 from psycopg.conninfo import conninfo_to_dict, make_conninfo
 
 from compat_tests.cluster_process import Cluster, ClusterNode
+from compat_tests.node_process import NodeProcess
 from leveret.client import AsyncClient, AsyncSubscriber, Client, Subscriber
 from tests.delay_proxy import DelayLinks
+from tests.ports import free_port
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -203,3 +207,24 @@ async def _async_after_failover(sub: AsyncSubscriber, n4: str) -> None:
     m = await sub.get(timeout=15)
     assert m is not None and m.content == b"async-after", m
     assert sub.client.address == n4
+
+
+def test_client_ranks_a_dead_address_last_and_a_single_node_answers_nodes(tmp_path: Path) -> None:
+    """One standalone node and a port nobody listens on: the client starts on the node, in any region."""
+    node = NodeProcess(tmp_path / "data", tmp_path / "logs")
+    node.start()
+    try:
+        dead = f"127.0.0.1:{free_port()}"
+        live = f"127.0.0.1:{node.grpc_port}"
+        with Client(f"{dead},{live}", region="elsewhere", timeout=10, probe_timeout=1.0) as c:
+            assert c.address == live and [n.address for n in c.nodes] == [live, dead], c.nodes
+            assert c.nodes[0].region == "" and c.nodes[0].rtt < 1.0 and c.nodes[1].rtt == math.inf
+            me, members = c.list_nodes()
+            assert [m.node for m in members] == [me] and me == c.nodes[0].node != ""
+            c.create_queue("solo", exist_ok=True)
+            sub = c.subscribe("solo/", auto_ack=True)
+            c.push("solo", b"x", persistent=False)
+            m = sub.get(timeout=10)
+            assert m is not None and m.content == b"x"
+    finally:
+        node.terminate()

@@ -767,13 +767,18 @@ class Client:
             self._ready(wait)  # grpc.FutureTimeoutError
             return self._stub.Subscribe(request, metadata=self._md)
 
-        call = self._stub.Subscribe(request, metadata=self._md)
-        try:
-            call.initial_metadata()  # the subscription is in place (or refused) when this returns
-        except grpc.RpcError as exc:
-            raise _wrap(exc) from None
-        if call.done() and call.code() != grpc.StatusCode.OK:
-            raise LeveretError(call.code(), call.details() or "")
+        for attempt in range(len(self.nodes)):
+            generation = self._generation
+            call = self._stub.Subscribe(request, metadata=self._md)
+            try:
+                call.initial_metadata()  # the subscription is in place (or refused) when this returns
+            except grpc.RpcError as exc:
+                raise _wrap(exc) from None
+            if not call.done() or call.code() == grpc.StatusCode.OK:
+                break
+            if call.code() != grpc.StatusCode.UNAVAILABLE or attempt == len(self.nodes) - 1 \
+                    or not self._fail_over(generation):
+                raise LeveretError(call.code(), call.details() or "")
         sub = Subscriber(self, channel_id, call, reopen if resubscribe_for > 0 else None, resubscribe_for, auto_ack)
         self._subscribers.append(sub)
         return sub
@@ -1181,14 +1186,20 @@ class AsyncClient:
             return self._stub.Subscribe(request, metadata=self._md)
 
         await self._chosen()
-        call = self._stub.Subscribe(request, metadata=self._md)
-        try:
-            await call.initial_metadata()
-        except grpc.RpcError as exc:
-            raise _wrap(exc) from None
-        if call.done():
+        for attempt in range(len(self.nodes)):
+            generation = self._generation
+            call = self._stub.Subscribe(request, metadata=self._md)
+            try:
+                await call.initial_metadata()
+            except grpc.RpcError as exc:
+                raise _wrap(exc) from None
+            if not call.done():
+                break
             code = await call.code()
-            if code != grpc.StatusCode.OK:
+            if code == grpc.StatusCode.OK:
+                break
+            if code != grpc.StatusCode.UNAVAILABLE or attempt == len(self.nodes) - 1 \
+                    or not await self._fail_over(generation):
                 raise LeveretError(code, await call.details() or "")
         sub = AsyncSubscriber(self, channel_id, call, reopen if resubscribe_for > 0 else None, resubscribe_for,
                               auto_ack)
