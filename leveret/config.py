@@ -233,5 +233,9 @@ def validate(cfg: NodeConfig) -> None:
         raise ConfigError("--etcd-cert and --etcd-key go together")
     if bool(cfg.etcd_user) != bool(cfg.etcd_password):
         raise ConfigError("--etcd-user and --etcd-password go together")
+    if cfg.advertise_cluster_remote:
+        _host, _, port = cfg.advertise_cluster_remote.rpartition(":")
+        if not _host or not port.isdigit() or not 0 < int(port) < 65536:
+            raise ConfigError(f"--advertise-cluster-remote must be HOST:PORT, got {cfg.advertise_cluster_remote!r}")
     if cfg.lease_ttl < 1:
         raise ConfigError(f"--lease-ttl must be at least 1 second, got {cfg.lease_ttl}")
