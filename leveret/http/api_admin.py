@@ -17,7 +17,7 @@ from core.engine.broker import RABBIT_SHA256, Permission, User
 from core.engine.stats import QUEUE_FIELDS, queue_counters
 from core.model.policy import Policy, PolicyError
 from leveret import __version__, resources
-from leveret.http import api_shovels, listing, metadata
+from leveret.http import api_federation, api_shovels, listing, metadata
 from leveret.http.api_topology import owner_counts
 from leveret.http.errors import bad_request, not_found
 from leveret.http.rates import add_stats, stats_json
@@ -37,7 +37,6 @@ TAGS = ("administrator", "monitoring", "policymaker", "management", "impersonato
 
 def register(r: Router) -> None:
     r.add("overview", GET=(overview, "management"))
-    r.add("cluster-name", GET=(cluster_name, "management"))
     r.add("nodes", GET=(nodes, "monitoring"))
     r.add("nodes/{node}", GET=(node_one, "monitoring"))
     r.add("whoami", GET=(whoami, "management"))
@@ -115,7 +114,7 @@ async def overview(call: Call) -> dict[str, Any]:
     return {
         "management_version": RABBIT_COMPAT_VERSION, "rates_mode": "basic",
         "product_name": PRODUCT, "product_version": __version__, "rabbitmq_version": RABBIT_COMPAT_VERSION,
-        "erlang_version": "none (Python)", "cluster_name": call.node.config.cluster,
+        "erlang_version": "none (Python)", "cluster_name": api_federation.name_of(call),
         "node": call.node_name, "exchange_types": [
             {"name": t, "description": "", "enabled": True}
             for t in ("direct", "fanout", "topic", "headers", "x-consistent-hash")],
@@ -127,10 +126,6 @@ async def overview(call: Call) -> dict[str, Any]:
         "listeners": _listeners(call), "contexts": [
             {"node": call.node_name, "description": "RabbitMQ Management", "path": "/", "port": str(call.api.port)}],
     }
-
-
-async def cluster_name(call: Call) -> dict[str, Any]:
-    return {"name": call.node.config.cluster}
 
 
 def _node_json(call: Call) -> dict[str, Any]:
@@ -551,7 +546,7 @@ async def parameter_put(call: Call) -> web.Response:
         raise bad_request("value is required")
     vh, key = call.vhost(write=True), (call.params["component"], call.params["name"])
     existed = key in vh.parameters
-    # Validated (a shovel's definition: 400), stored, and a shovel started or restarted at once.
+    # Validated (a shovel's or federation upstream's definition: 400), stored, and applied at once.
     await api_shovels.set_parameter(call, vh.name, *key, body["value"])
     return created(existed)
 
