@@ -43,9 +43,9 @@ def two(tmp_path: Path) -> Iterator[tuple[Broker, Broker]]:
             broker.node.cleanup()
 
 
-def federate(down: Broker, uri: str, upstream: str = "up", **extra: Any) -> None:
-    down.mgmt.ok("PUT", f"/api/parameters/federation-upstream/%2F/{upstream}",
-                 {"value": {"uri": uri, "reconnect-delay": 0.5, **extra}})
+def federate(down: Broker, uri: str, extra: dict[str, Any] | None = None) -> None:
+    down.mgmt.ok("PUT", "/api/parameters/federation-upstream/%2F/up",
+                 {"value": {"uri": uri, "reconnect-delay": 0.5, **(extra or {})}})
     down.mgmt.ok("PUT", "/api/policies/%2F/federate", {"pattern": r"^fed\.", "apply-to": "exchanges",
                                                        "definition": {"federation-upstream-set": "all"}})
 
@@ -218,7 +218,7 @@ def test_confirmed_upstream_messages_survive_kill9_of_the_downstream(two: tuple[
     up, down = two
     topology(up.node.url, X, {})
     topology(down.node.url, X, {"all": ["#"]})
-    federate(down, up.node.url, **{"prefetch-count": 50})
+    federate(down, up.node.url, {"prefetch-count": 50})
     wait_for(lambda: running(down), 15, "the link to run")
     crossing(up, down, "k.probe", "all")
     purge(down.node.url, "all")
@@ -268,7 +268,7 @@ def test_a_loop_of_three_delivers_a_bounded_number_of_times(tmp_path: Path, max_
             topology(broker.node.url, X, {"seen": ["#"]})
         # A -> B -> C -> A: each is downstream of the one before it.
         for down, up in ((b, a), (c, b), (a, c)):
-            federate(down, up.node.url, **{"max-hops": max_hops})
+            federate(down, up.node.url, {"max-hops": max_hops})
         for broker in (a, b, c):
             wait_for(lambda broker=broker: running(broker), 15, "every link to run")  # type: ignore[misc]
         for broker, source in ((b, a), (c, b), (a, c)):
@@ -301,7 +301,7 @@ def test_federation_from_rabbitmq(tmp_path: Path) -> None:
     conn.close()
     try:
         topology(down.node.url, exchange, {"in": ["orders.*"]})
-        federate(down, url, **{"expires": 60000})
+        federate(down, url, {"expires": 60000})
         wait_for(lambda: running(down), 20, "the link to run")
         deadline = time.monotonic() + 15
         while not get_all(down.node.url, "in", settle=0.3) and time.monotonic() < deadline:

@@ -75,7 +75,7 @@ class EtcdHolder:
             compare=[t.create(key) == 0], success=[t.put(key, self.node.encode(), lease=self.cluster.lease_id)],
             failure=[])
         if ok:
-            log.info(f"{self.kind} assigned", extra={"vhost": vhost, "name": name, "node": self.node})
+            log.info(f"{self.kind} assigned", extra={"vhost": vhost, self.kind: name, "node": self.node})
         return bool(ok)
 
     async def holder(self, vhost: str, name: str) -> str | None:
