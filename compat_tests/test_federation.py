@@ -22,6 +22,7 @@ import pytest
 
 from compat_tests.mgmt_http import wait_http
 from compat_tests.test_shovel import RABBIT_ENV, Broker, drain, wait_for
+from tests.ports import free_port
 
 X = "fed.events"
 
@@ -324,3 +325,40 @@ def test_federation_from_rabbitmq(tmp_path: Path) -> None:
         for suffix in (" A", " B"):
             ch.exchange_delete(f"federation: {exchange} to {name}{suffix}")
         conn.close()
+
+
+@pytest.mark.skipif(not os.path.exists("/usr/bin/chromium"), reason="/usr/bin/chromium is not installed")
+def test_console_lists_links_with_status_and_error(two: tuple[Broker, Broker], tmp_path: Path) -> None:
+    up, down = two
+    sync_api = pytest.importorskip("playwright.sync_api", reason="playwright is not installed")
+    topology(down.node.url, X, {"q": ["#"]})
+    topology(down.node.url, "fed.broken", {"q": ["#"]})
+    federate(down, up.node.url)
+    down.mgmt.ok("PUT", "/api/parameters/federation-upstream/%2F/gone", {"value": {
+        "uri": f"amqp://guest:secret@127.0.0.1:{free_port()}/", "reconnect-delay": 0.2}})
+    wait_for(lambda: running(down, 2), 15, "the links to the live upstream to run")
+    with sync_api.sync_playwright() as p:
+        browser = p.chromium.launch(executable_path="/usr/bin/chromium",
+                                    args=["--no-sandbox", "--disable-gpu", "--disable-background-networking"])
+        try:
+            page = browser.new_page(viewport={"width": 1280, "height": 700})
+            errors: list[str] = []
+            page.on("pageerror", lambda exc: errors.append(str(exc)))
+            page.goto(down.mgmt.base + "/")
+            page.fill("input[name=username]", "guest")
+            page.fill("input[name=password]", "guest")
+            page.click("#login button")
+            page.wait_for_selector("#totals")
+            page.click("a[href='#/federation']")
+            rows = page.locator("#federation tr", has_text="fed.broken")
+            rows.locator("td", has_text="running").first.wait_for()
+            bad = page.locator("#federation tr", has_text="gone").first
+            bad.locator("td", has_text="error").first.wait_for()
+            text = bad.inner_text()
+            assert "refused" in text.lower() and "secret" not in text  # the error; no password anywhere
+            shot = tmp_path / "console-federation.png"
+            page.screenshot(path=str(shot), full_page=True)
+            print(f"console screenshot: {shot}")
+            assert errors == []
+        finally:
+            browser.close()

@@ -155,7 +155,7 @@ class FederationLink(Supervised):
         while True:
             self.uri = spec.upstream.uris[attempt % len(spec.upstream.uris)]
             attempt += 1
-            self._set("starting")
+            self._set("starting", self.reason)  # the last error stays visible while it tries again
             try:
                 await self._session(self.uri)
             except asyncio.CancelledError:
