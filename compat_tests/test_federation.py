@@ -21,14 +21,17 @@ import pika
 import pytest
 
 from compat_tests.mgmt_http import wait_http
+from compat_tests.test_metrics import MetricsNode, samples, value
 from compat_tests.test_shovel import RABBIT_ENV, Broker, drain, wait_for
 from tests.ports import free_port
 
 X = "fed.events"
 
 
-def named(path: Path, name: str) -> Broker:
+def named(path: Path, name: str, metrics: bool = False) -> Broker:
     b = Broker(path / name)
+    if metrics:  # with its Prometheus endpoint
+        b.node = MetricsNode(path / name / "data", path / name / "logs")
     b.start()
     b.mgmt.ok("PUT", "/api/cluster-name", {"name": name})
     return b
@@ -36,7 +39,7 @@ def named(path: Path, name: str) -> Broker:
 
 @pytest.fixture
 def two(tmp_path: Path) -> Iterator[tuple[Broker, Broker]]:
-    up, down = named(tmp_path, "upstream"), named(tmp_path, "downstream")
+    up, down = named(tmp_path, "upstream"), named(tmp_path, "downstream", metrics=True)
     try:
         yield up, down
     finally:
@@ -180,6 +183,11 @@ def test_bindings_downstream_decide_what_crosses(two: tuple[Broker, Broker]) -> 
     assert status["type"] == "exchange" and status["exchange"] == X and status["upstream"] == "up"
     assert "guest:guest@" not in status["uri"]
     assert down.mgmt.get("/api/federation-links/%2F") == links(down)
+    assert isinstance(down.node, MetricsNode)
+    found = samples(down.node.scrape())
+    assert value(found, "leveret_federation_links", status="running") == 1
+    forwarded = value(found, "leveret_federation_messages_forwarded_total", vhost="/", exchange=X, upstream="up")
+    assert forwarded == status["messages_forwarded"] >= 4
 
     # The policy cleared: the link stops.
     down.mgmt.ok("DELETE", "/api/policies/%2F/federate")
@@ -188,11 +196,11 @@ def test_bindings_downstream_decide_what_crosses(two: tuple[Broker, Broker]) -> 
 
 def test_bad_parameters_and_policies_are_refused(two: tuple[Broker, Broker]) -> None:
     _, down = two
-    for value, text in (({"exchange": "x"}, "uri"), ({"uri": "http://x"}, "amqp"),
+    for bad, text in (({"exchange": "x"}, "uri"), ({"uri": "http://x"}, "amqp"),
                         ({"uri": "amqp://", "max-hops": 0}, "max-hops"), ({"uri": "amqp://", "nope": 1}, "nope"),
                         ({"uri": "amqp://", "ack-mode": "sometimes"}, "ack-mode")):
-        r = down.mgmt.request("PUT", "/api/parameters/federation-upstream/%2F/bad", {"value": value})
-        assert r.status == 400 and text in str(r.body), (value, r.status, r.body)
+        r = down.mgmt.request("PUT", "/api/parameters/federation-upstream/%2F/bad", {"value": bad})
+        assert r.status == 400 and text in str(r.body), (bad, r.status, r.body)
     r = down.mgmt.request("PUT", "/api/parameters/federation-upstream-set/%2F/s", {"value": [{"name": "x"}]})
     assert r.status == 400
     down.mgmt.ok("PUT", "/api/parameters/federation-upstream-set/%2F/s", {"value": [{"upstream": "a"}]})
