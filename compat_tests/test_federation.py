@@ -189,9 +189,14 @@ def test_bindings_downstream_decide_what_crosses(two: tuple[Broker, Broker]) -> 
     forwarded = value(found, "leveret_federation_messages_forwarded_total", vhost="/", exchange=X, upstream="up")
     assert forwarded == status["messages_forwarded"] >= 4
 
-    # The policy cleared: the link stops.
+    # The policy cleared: the link stops, and its bindings upstream go (the queue stays, with what it holds).
     down.mgmt.ok("DELETE", "/api/policies/%2F/federate")
     wait_for(lambda: links(down) == [], 10, "the link to go with its policy")
+    wait_for(lambda: not [x for x in up.mgmt.get("/api/exchanges/%2F") if x["name"].startswith("federation: ")], 10,
+             "the link's exchange upstream to go")
+    publish(up.node.url, X, [("news.sports.f3", b"after")])
+    queue = next(q for q in up.mgmt.get("/api/queues/%2F") if q["name"].startswith("federation: "))
+    assert queue.get("messages", 0) == 0
 
 
 def test_bad_parameters_and_policies_are_refused(two: tuple[Broker, Broker]) -> None:

@@ -322,6 +322,23 @@ class FederationLink(Supervised):
                 raise ConnectionError("upstream connection closed" + (f": {exc}" if exc else ""))
             fut.result()
 
+    async def unlink(self) -> None:
+        """The link is no longer wanted (policy, upstream or exchange gone): stop the upstream queue filling.
+
+        The feeding exchanges go, so nothing more is routed to the queue; the
+        queue itself stays with what it holds (``expires`` removes it), since
+        deleting it on a passing state would lose messages.
+        """
+        conn = await connect(self.uri, self.local_port)
+        try:
+            ch = await self._channel(conn)
+            for suffix in (" A", " B"):
+                await ch.exchange_delete(f"{self.queue_name()}{suffix}")
+        finally:
+            await close(conn)
+        log.info("federation link removed upstream bindings", extra={
+            "vhost": self.spec.vhost, "exchange": self.spec.exchange, "upstream": self.spec.upstream.name})
+
     def status(self) -> dict[str, Any]:
         """RabbitMQ's /api/federation-links entry for this link."""
         spec = self.spec

@@ -40,6 +40,7 @@ log = logging.getLogger("leveret.federation")
 GLOBAL = "global"  # component of the global parameters (stored under the vhost "")
 CLUSTER_NAME = "cluster_name"
 LinkKey = tuple[str, str, str]  # (vhost, exchange, upstream)
+UNLINK_TIMEOUT = 10.0
 
 
 def _held_name(exchange: str, upstream: str) -> str:
@@ -65,6 +66,7 @@ class FederationManager:
         self.wanted: dict[LinkKey, LinkSpec] = {}
         self._task: asyncio.Task[None] | None = None
         self._lock = asyncio.Lock()
+        self._unlinking: set[asyncio.Task[None]] = set()
         on_cluster_name(default_cluster_name)
 
     # -- the cluster name ------------------------------------------------------------
@@ -146,7 +148,10 @@ class FederationManager:
             self.wanted = self.desired()
             for key, link in list(self.running.items()):
                 spec = self.wanted.get(key)
-                if spec != link.spec:
+                if spec is None:
+                    await self._stop_one(key, release=True)
+                    self._unlink(link)
+                elif spec != link.spec:
                     await self._stop_one(key, release=True)
                 elif not await self.holder.held(key[0], _held_name(key[1], key[2])):
                     log.warning("federation link no longer held by this node; stopped",
@@ -157,6 +162,20 @@ class FederationManager:
                     link = FederationLink(spec, self.broker, self.node, self.local_port, self.cluster_name)
                     self.running[key] = link
                     link.start()
+
+    def _unlink(self, link: FederationLink) -> None:
+        """In the background: an unreachable upstream must not hold the other links' reconcile."""
+        async def run() -> None:
+            try:
+                await asyncio.wait_for(link.unlink(), UNLINK_TIMEOUT)
+            except Exception as exc:  # noqa: BLE001  the upstream keeps the bindings; expires may clean it
+                log.warning("could not remove a federation link's bindings upstream", extra={
+                    "vhost": link.spec.vhost, "exchange": link.spec.exchange, "upstream": link.spec.upstream.name,
+                    "error": f"{type(exc).__name__}: {exc}"})
+
+        task = asyncio.get_running_loop().create_task(run())
+        self._unlinking.add(task)
+        task.add_done_callback(self._unlinking.discard)
 
     async def _stop_one(self, key: LinkKey, release: bool) -> None:
         link = self.running.pop(key, None)
