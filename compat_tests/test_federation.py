@@ -9,6 +9,7 @@ parameter, as in RabbitMQ.
 from __future__ import annotations
 
 import os
+import subprocess
 import threading
 import time
 import uuid
@@ -21,6 +22,7 @@ import pika
 import pytest
 
 from compat_tests.mgmt_http import wait_http
+from compat_tests.node_process import REPO_ROOT, _python
 from compat_tests.test_metrics import MetricsNode, samples, value
 from compat_tests.test_shovel import RABBIT_ENV, Broker, drain, wait_for
 from tests.ports import free_port
@@ -375,3 +377,33 @@ def test_console_lists_links_with_status_and_error(two: tuple[Broker, Broker], t
             assert errors == []
         finally:
             browser.close()
+
+
+def test_ctl_sets_the_upstream_and_shows_the_links(two: tuple[Broker, Broker]) -> None:
+    up, down = two
+    env = {k: v for k, v in os.environ.items() if not k.startswith("LEVERET_")}
+    env.update(LEVERET_CTL_NODE=down.mgmt.host_port)
+
+    def ctl(*args: str) -> str:
+        out = subprocess.run([_python(), "-m", "leveret", "ctl", *args], cwd=REPO_ROOT, env=env,
+                             capture_output=True, text=True, timeout=60)
+        assert out.returncode == 0, (args, out.stdout, out.stderr)
+        return out.stdout
+
+    topology(down.node.url, X, {"q": ["#"]})
+    ctl("set_parameter", "federation-upstream", "by-ctl", f'{{"uri": "{up.node.url}", "reconnect-delay": 0.5}}')
+    ctl("set_policy", "--apply-to", "exchanges", "fed", r"^fed\.", '{"federation-upstream": "by-ctl"}')
+    wait_for(lambda: f"{X}\tby-ctl\t/\trunning\t" in ctl("federation_status"), 15, "ctl to show the link running")
+    crossing(up, down, "k", "q")
+
+    # Renamed: the link starts again under an upstream queue of the new name; the old one stops filling.
+    ctl("set_cluster_name", "renamed")
+    assert down.mgmt.get("/api/cluster-name") == {"name": "renamed"}
+    wait_for(lambda: f"federation: {X} to renamed" in {q["name"] for q in up.mgmt.get("/api/queues/%2F")}, 15,
+             "the upstream queue of the new name")
+    wait_for(lambda: not any(x["name"].startswith(f"federation: {X} to downstream")
+                             for x in up.mgmt.get("/api/exchanges/%2F")), 15, "the old name's exchange to go")
+    purge(down.node.url, "q")
+    crossing(up, down, "k", "q")
+    ctl("clear_parameter", "federation-upstream", "by-ctl")
+    wait_for(lambda: X not in ctl("federation_status"), 10, "the link to go with its upstream")

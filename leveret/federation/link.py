@@ -137,6 +137,7 @@ class FederationLink(Supervised):
         self.forwarded = 0  # republished here (and acked upstream, unless no-ack)
         self.dropped = 0  # refused by loop prevention
         self.bound = 0  # upstream bindings in place
+        self.queue: str | None = None  # the upstream queue's name as the last session declared it
 
     def queue_name(self) -> str:
         """The upstream queue's name: RabbitMQ's ``federation: X -> <cluster name>``, spelt ``to``.
@@ -199,7 +200,7 @@ class FederationLink(Supervised):
                                   "drop everything; give each broker its own name (PUT /api/cluster-name)")
         await self._ensure_exchange(conn)
         ch = await self._channel(conn)
-        queue = self.queue_name()
+        queue = self.queue = self.queue_name()
         args: dict[str, Any] = {}
         if up.expires is not None:
             args["x-expires"] = up.expires
@@ -333,7 +334,7 @@ class FederationLink(Supervised):
         try:
             ch = await self._channel(conn)
             for suffix in (" A", " B"):
-                await ch.exchange_delete(f"{self.queue_name()}{suffix}")
+                await ch.exchange_delete(f"{self.queue or self.queue_name()}{suffix}")
         finally:
             await close(conn)
         log.info("federation link removed upstream bindings", extra={

@@ -67,6 +67,7 @@ class FederationManager:
         self._task: asyncio.Task[None] | None = None
         self._lock = asyncio.Lock()
         self._unlinking: set[asyncio.Task[None]] = set()
+        self._renamed = False
         on_cluster_name(default_cluster_name)
 
     # -- the cluster name ------------------------------------------------------------
@@ -86,8 +87,11 @@ class FederationManager:
     def apply(self, vhost: str, component: str, name: str, value: Any) -> None:
         if component == GLOBAL:
             if name == CLUSTER_NAME:
+                before = self.cluster_name()
                 self.stored_cluster_name = value if isinstance(value, str) and value else None
                 self.on_cluster_name(self.cluster_name())
+                # The upstream queues are named after it: the links start again under the new name.
+                self._renamed = self._renamed or before != self.cluster_name()
             return
         table = (self.upstreams if component == UPSTREAM else self.sets).setdefault(vhost, {})
         if value is None:
@@ -146,9 +150,10 @@ class FederationManager:
         """Stop what is no longer wanted, changed or held; start what this node can hold."""
         async with self._lock:
             self.wanted = self.desired()
+            renamed, self._renamed = self._renamed, False
             for key, link in list(self.running.items()):
                 spec = self.wanted.get(key)
-                if spec is None:
+                if spec is None or renamed:
                     await self._stop_one(key, release=True)
                     self._unlink(link)
                 elif spec != link.spec:
