@@ -228,6 +228,9 @@ def test_bad_parameters_and_policies_are_refused(two: tuple[Broker, Broker]) -> 
     r = down.mgmt.request("POST", "/api/definitions", {"parameters": [
         {"vhost": "/", "component": "federation-upstream", "name": "b", "value": {"uri": 5}}]})
     assert r.status == 400
+    down.mgmt.ok("POST", "/api/definitions", {"parameters": [
+        {"vhost": "/", "component": "federation-upstream", "name": "c", "value": {"uri": "amqp://c/"}}]})
+    assert down.mgmt.get("/api/parameters/federation-upstream/%2F/c")["value"] == {"uri": "amqp://c/"}
 
 
 def test_confirmed_upstream_messages_survive_kill9_of_the_downstream(two: tuple[Broker, Broker]) -> None:
