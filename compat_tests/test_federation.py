@@ -130,7 +130,7 @@ def test_bindings_downstream_decide_what_crosses(two: tuple[Broker, Broker]) -> 
     up, down = two
     topology(up.node.url, X, {})
     topology(down.node.url, X, {"sports": ["news.sports.*"]})
-    federate(down, up.node.url)
+    federate(down, up.node.url, {"expires": 3600000, "message-ttl": 600000})
     wait_for(lambda: running(down), 15, "the link to run")
     crossing(up, down, "news.sports.probe", "sports")
     purge(down.node.url, "sports")
@@ -146,7 +146,22 @@ def test_bindings_downstream_decide_what_crosses(two: tuple[Broker, Broker]) -> 
 
     # The upstream queue RabbitMQ's way: named after the exchange and this broker's cluster name.
     queues = {q["name"]: q for q in up.mgmt.get("/api/queues/%2F")}
-    assert f"federation: {X} to downstream" in queues
+    assert queues[f"federation: {X} to downstream"]["arguments"] == {"x-expires": 3600000, "x-message-ttl": 600000}
+    assert queues[f"federation: {X} to downstream"]["durable"] is True
+
+    # user_id is cleared (trust-user-id false): nobody here checked it.
+    conn = pika.BlockingConnection(pika.URLParameters(up.node.url))
+    conn.channel().basic_publish(X, "news.sports.tennis", b"ace", pika.BasicProperties(user_id="guest"))
+    conn.close()
+    conn = pika.BlockingConnection(pika.URLParameters(down.node.url))
+    ch = conn.channel()
+    deadline = time.monotonic() + 10
+    method, props, body = ch.basic_get("sports", auto_ack=True)
+    while method is None and time.monotonic() < deadline:
+        time.sleep(0.05)
+        method, props, body = ch.basic_get("sports", auto_ack=True)
+    conn.close()
+    assert body == b"ace" and props.user_id is None
 
     # A binding added downstream starts the flow for its key...
     topology(down.node.url, X, {"tech": ["news.tech.#"]})

@@ -5,10 +5,12 @@ from __future__ import annotations
 from typing import Any
 
 import pytest
+from pamqp import commands
 
 from core.engine.broker import Broker
+from core.model import properties
 from core.model.policy import Policy, PolicyError
-from leveret.federation.link import already_seen, should_forward, upstream_vhost, wanted_bindings
+from leveret.federation.link import already_seen, should_forward, stamp, upstream_vhost, wanted_bindings
 from leveret.federation.manager import FederationManager
 from leveret.federation.spec import FederationError, parse_upstream, upstreams_of, validate
 from leveret.shovel.hold import LocalHolder
@@ -133,3 +135,18 @@ async def test_desired_links_follow_policies_and_parameters() -> None:
     assert manager.cluster_name() == "blue" and names[-1] == "blue"
     with pytest.raises(FederationError):
         manager.validate("", "global", "cluster_name", "")
+
+
+@pytest.mark.parametrize("trust", [False, True])
+def test_a_forwarded_message_is_stamped(trust: bool) -> None:
+    earlier: dict[str, Any] = {"uri": "amqp://a", "exchange": "x", "redelivered": False, "cluster-name": "a",
+                               "vhost": "/"}
+    headers: Any = {"k": "v", "x-received-from": [earlier]}
+    props = commands.Basic.Properties(headers=headers, user_id="alice",
+                                      delivery_mode=2, message_id="m1")
+    entry = {"uri": "amqp://b", "exchange": "x", "redelivered": True, "cluster-name": "b", "vhost": "/"}
+    stamp(props, dict(props.headers or {}), entry, trust)
+    out = properties.decode(props.marshal())  # what the publish path gets, decoded by Leveret's own codec
+    assert out["headers"]["x-received-from"] == [entry, earlier]  # the newest hop first, as RabbitMQ
+    assert out["headers"]["k"] == "v" and out["delivery_mode"] == 2 and out["message_id"] == "m1"
+    assert out.get("user_id") == ("alice" if trust else None)

@@ -116,6 +116,15 @@ def wanted_bindings(x: Exchange, max_hops: int, cluster: str, vhost: str, upstre
     return out
 
 
+def stamp(props: Any, headers: dict[str, Any], entry: dict[str, Any], trust_user_id: bool) -> None:
+    """The properties of a forwarded message (pamqp's): ``entry`` prepended to ``x-received-from``, as RabbitMQ does."""
+    prior = headers.get(RECEIVED_FROM)
+    headers[RECEIVED_FROM] = [entry, *(prior if isinstance(prior, list) else [])]
+    props.headers = headers
+    if not trust_user_id:
+        props.user_id = None  # RabbitMQ's default: the upstream's user-id is not vouched for here
+
+
 def upstream_vhost(uri: str) -> str:
     path = urlsplit(uri).path
     return unquote(path[1:]) if len(path) > 1 else "/"
@@ -270,12 +279,8 @@ class FederationLink(Supervised):
                 if not no_ack:
                     acks.settle(tag)
                 return
-            prior = headers.get(RECEIVED_FROM)
-            headers[RECEIVED_FROM] = [{**source, "redelivered": bool(getattr(message.delivery, "redelivered", False))},
-                                      *(prior if isinstance(prior, list) else [])]
-            props.headers = headers
-            if not up.trust_user_id:
-                props.user_id = None  # RabbitMQ's default: the upstream's user-id is not vouched for here
+            stamp(props, headers, {**source, "redelivered": bool(getattr(message.delivery, "redelivered", False))},
+                  up.trust_user_id)
             while self.broker.alarms.raised:  # a memory or disk alarm here holds the link as it holds publishers
                 await asyncio.sleep(ALARM_POLL)
             try:
