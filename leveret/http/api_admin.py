@@ -17,7 +17,7 @@ from core.engine.broker import RABBIT_SHA256, Permission, User
 from core.engine.stats import QUEUE_FIELDS, queue_counters
 from core.model.policy import Policy, PolicyError
 from leveret import __version__, resources
-from leveret.http import api_federation, api_shovels, listing, metadata
+from leveret.http import api_shovels, listing, metadata
 from leveret.http.api_topology import owner_counts
 from leveret.http.errors import bad_request, not_found
 from leveret.http.rates import add_stats, stats_json
@@ -114,7 +114,7 @@ async def overview(call: Call) -> dict[str, Any]:
     return {
         "management_version": RABBIT_COMPAT_VERSION, "rates_mode": "basic",
         "product_name": PRODUCT, "product_version": __version__, "rabbitmq_version": RABBIT_COMPAT_VERSION,
-        "erlang_version": "none (Python)", "cluster_name": api_federation.name_of(call),
+        "erlang_version": "none (Python)", "cluster_name": _cluster_name(call),
         "node": call.node_name, "exchange_types": [
             {"name": t, "description": "", "enabled": True}
             for t in ("direct", "fanout", "topic", "headers", "x-consistent-hash")],
@@ -126,6 +126,12 @@ async def overview(call: Call) -> dict[str, Any]:
         "listeners": _listeners(call), "contexts": [
             {"node": call.node_name, "description": "RabbitMQ Management", "path": "/", "port": str(call.api.port)}],
     }
+
+
+def _cluster_name(call: Call) -> str:
+    """As /api/cluster-name answers it (leveret/http/api_federation.py): the stored name, else the default."""
+    federation = call.node.federation
+    return federation.cluster_name() if federation is not None else call.node.config.cluster
 
 
 def _node_json(call: Call) -> dict[str, Any]:

@@ -21,8 +21,9 @@ def register(r: Router) -> None:
 
 def name_of(call: Call) -> str:
     """The cluster name: what loop prevention compares and the AMQP server properties advertise."""
-    manager = call.node.federation
-    return manager.cluster_name() if manager is not None else call.node.config.cluster
+    from leveret.http.api_admin import _cluster_name
+
+    return _cluster_name(call)
 
 
 async def cluster_name(call: Call) -> dict[str, Any]:
