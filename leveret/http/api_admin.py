@@ -114,7 +114,7 @@ async def overview(call: Call) -> dict[str, Any]:
     return {
         "management_version": RABBIT_COMPAT_VERSION, "rates_mode": "basic",
         "product_name": PRODUCT, "product_version": __version__, "rabbitmq_version": RABBIT_COMPAT_VERSION,
-        "erlang_version": "none (Python)", "cluster_name": _cluster_name(call),
+        "erlang_version": "none (Python)", "cluster_name": cluster_name_of(call),
         "node": call.node_name, "exchange_types": [
             {"name": t, "description": "", "enabled": True}
             for t in ("direct", "fanout", "topic", "headers", "x-consistent-hash")],
@@ -128,7 +128,7 @@ async def overview(call: Call) -> dict[str, Any]:
     }
 
 
-def _cluster_name(call: Call) -> str:
+def cluster_name_of(call: Call) -> str:
     """As /api/cluster-name answers it (leveret/http/api_federation.py): the stored name, else the default."""
     federation = call.node.federation
     return federation.cluster_name() if federation is not None else call.node.config.cluster

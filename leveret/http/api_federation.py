@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 from leveret.http import api_shovels, listing
+from leveret.http.api_admin import cluster_name_of
 from leveret.http.errors import bad_request
 from leveret.http.responses import no_content
 
@@ -19,15 +20,8 @@ def register(r: Router) -> None:
     r.add("cluster-name", GET=(cluster_name, "management"), PUT=(cluster_name_put, "administrator"))
 
 
-def name_of(call: Call) -> str:
-    """The cluster name: what loop prevention compares and the AMQP server properties advertise."""
-    from leveret.http.api_admin import _cluster_name
-
-    return _cluster_name(call)
-
-
 async def cluster_name(call: Call) -> dict[str, Any]:
-    return {"name": name_of(call)}
+    return {"name": cluster_name_of(call)}
 
 
 async def cluster_name_put(call: Call) -> Any:

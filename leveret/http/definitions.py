@@ -19,12 +19,13 @@ from core.model.errors import BrokerError
 from core.model.policy import Policy
 from leveret import __version__
 from leveret.federation import spec as federation_spec
-from leveret.http import api_federation, api_shovels, declare, metadata
+from leveret.http import api_shovels, declare, metadata
 from leveret.http.api_admin import (
     PRODUCT,
     RABBIT_COMPAT_VERSION,
     _tags,
     check_regex,
+    cluster_name_of,
     permission_from_json,
     policy_from_json,
     save_user,
@@ -80,7 +81,7 @@ async def export(call: Call) -> Any:
         out["topic_permissions"] = [p for p in topic_permissions if p["user"] in portable]
         out["leveret_permissions"] = [p for p in permissions if p["user"] not in portable]
         out["leveret_topic_permissions"] = [p for p in topic_permissions if p["user"] not in portable]
-        out["global_parameters"] = [{"name": "cluster_name", "value": api_federation.name_of(call)}]
+        out["global_parameters"] = [{"name": "cluster_name", "value": cluster_name_of(call)}]
     out["parameters"] = [{"vhost": vh.name, "component": c, "name": n, "value": v}
                          for vh in vhosts for (c, n), v in vh.parameters.items()]
     # RabbitMQ exports vhost limits as this parameter (checked with 3.10.8).
