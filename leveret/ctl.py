@@ -265,6 +265,12 @@ def run_command(client: Client, args: argparse.Namespace) -> int:
     elif c == "shovel_status":
         print_table(client.call("GET", "shovels"), list(args.rest) or ["name", "vhost", "type", "state", "node",
                                                                         "reason"], args)
+    elif c == "federation_status":
+        print_table(client.call("GET", "federation-links"), list(args.rest) or [
+            "exchange", "upstream", "vhost", "status", "node", "uri", "error"], args)
+    elif c == "set_cluster_name":
+        (name,) = _need(args, 1, "NAME")[:1]
+        client.call("PUT", "cluster-name", {"name": name})
     elif c == "export_definitions":
         (path,) = _need(args, 1, "FILE (- for standard output)")[:1]
         data = json.dumps(client.call("GET", "definitions"), indent=2)
@@ -304,7 +310,7 @@ COMMANDS = (*LISTS, "close_connection", "purge_queue", "delete_queue", "add_user
             "clear_permissions", "set_topic_permissions", "set_vhost_limits", "clear_vhost_limits",
             "list_vhost_limits", "set_user_limits", "clear_user_limits", "list_user_limits", "set_policy",
             "clear_policy", "set_parameter", "clear_parameter", "list_parameters", "shovel_status", "restart_shovel",
-            "export_definitions",
+            "federation_status", "set_cluster_name", "export_definitions",
             "import_definitions", "status", "cluster_status")
 
 

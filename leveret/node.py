@@ -25,6 +25,7 @@ from core.engine.stream import StreamQueue
 from core.ports.store import MessageStore, StoreError
 from leveret import __version__, logs, resources
 from leveret.config import NodeConfig
+from leveret.federation.manager import FederationManager
 from leveret.grpc_server import GRPCServer
 from leveret.http.metrics import MetricsServer
 from leveret.policy_watch import PolicyWatch
@@ -88,6 +89,7 @@ class Node:
         self.metrics: MetricsServer | None = None  # --prometheus-port (leveret/http/metrics.py)
         self.policy_watch: PolicyWatch | None = None
         self.shovels: ShovelManager | None = None
+        self.federation: FederationManager | None = None  # leveret/federation/, fed by the shovels' parameters
         self.started_at = time.monotonic()
         StreamQueue.memory_limit = config.stream_memory_bytes
         paging.configure(config.queue_memory_bytes, config.queue_memory_node_bytes,
@@ -278,13 +280,25 @@ class Node:
         )
 
     async def _start_shovels(self) -> None:
-        """Runtime parameters back from the store; the shovels this node holds started (leveret/shovel/)."""
+        """Runtime parameters back from the store; the shovels and federation links this node holds started."""
         from leveret.shovel.hold import EtcdHolder, Holder, LocalHolder
 
         assert self.store is not None
-        holder: Holder = EtcdHolder(self.cluster) if self.cluster is not None else LocalHolder(self.broker.node_id)
-        self.shovels = ShovelManager(self.broker, self.store, holder, self.broker.node_id, self.amqp.port)
+        node = self.broker.node_id
+        holder: Holder = EtcdHolder(self.cluster) if self.cluster is not None else LocalHolder(node)
+        self.shovels = ShovelManager(self.broker, self.store, holder, node, self.amqp.port)
+        links: Holder = EtcdHolder(self.cluster, "federation") if self.cluster is not None else LocalHolder(node)
+        # RabbitMQ's default cluster name is its first node's name; a cluster here has its own name.
+        self.federation = FederationManager(self.broker, links, node, self.amqp.port,
+                                            self.config.cluster if self.cluster is not None else node,
+                                            self._advertise_cluster_name)
+        self.shovels.listeners.append(self.federation)
         await self.shovels.start()
+        await self.federation.start()
+
+    def _advertise_cluster_name(self, name: str) -> None:
+        """The AMQP server properties' cluster_name, which federation links upstream of us record."""
+        self.amqp.settings.server_properties_extra["cluster_name"] = name
 
     async def _start_amqp(self) -> None:
         await self.amqp.start(self.config.bind, self.config.amqp_port)
@@ -376,6 +390,8 @@ class Node:
         self._monitor.cancel()
         if self.management is not None:
             await self.management.stop()
+        if self.federation is not None:
+            await self.federation.stop()
         if self.shovels is not None:
             await self.shovels.stop()
         if self.cluster is not None:

@@ -86,11 +86,14 @@ DEFINITION_KEYS: dict[str, Callable[[str, Any], None]] = {
     "max-age": _max_age,
     "stream-max-segment-size-bytes": _non_negative,
     "archive": _boolean,
+    # Exchange federation (leveret/federation/): an upstream's name, or a set's ("all": every upstream).
+    "federation-upstream": _text,
+    "federation-upstream-set": _text,
 }
 # What an operator policy may set (RabbitMQ's list, less its quorum-only memory keys):
 # limits, where the smallest of operator policy, policy and queue argument wins.
 OPERATOR_KEYS = frozenset({"message-ttl", "expires", "max-length", "max-length-bytes", "delivery-limit"})
-EXCHANGE_KEYS = frozenset({"alternate-exchange"})
+EXCHANGE_KEYS = frozenset({"alternate-exchange", "federation-upstream", "federation-upstream-set"})
 
 
 def max_age_seconds(text: str) -> int:
@@ -136,6 +139,10 @@ class Policy:
             if key not in allowed:
                 raise PolicyError(f"{kind} '{name}': {key!r} is not recognised; accepted: {', '.join(sorted(allowed))}")
             DEFINITION_KEYS[key](key, value)
+        if "federation-upstream" in definition and "federation-upstream-set" in definition:
+            # RabbitMQ's rabbit_federation_parameters:validate_policy refuses both at once.
+            raise PolicyError(f"{kind} '{name}': cannot specify federation-upstream and federation-upstream-set "
+                              "together")
         if "dead-letter-routing-key" in definition and "dead-letter-exchange" not in definition:
             raise PolicyError(f"{kind} '{name}': dead-letter-routing-key needs dead-letter-exchange")
         if operator and apply_to not in ("queues", "classic_queues", "streams"):

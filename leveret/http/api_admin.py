@@ -38,7 +38,6 @@ TAGS = ("administrator", "monitoring", "policymaker", "management", "impersonato
 
 def register(r: Router) -> None:
     r.add("overview", GET=(overview, "management"))
-    r.add("cluster-name", GET=(cluster_name, "management"))
     r.add("nodes", GET=(nodes, "monitoring"))
     r.add("nodes/{node}", GET=(node_one, "monitoring"))
     r.add("whoami", GET=(whoami, "management"))
@@ -116,7 +115,7 @@ async def overview(call: Call) -> dict[str, Any]:
     return {
         "management_version": RABBIT_COMPAT_VERSION, "rates_mode": "basic",
         "product_name": PRODUCT, "product_version": __version__, "rabbitmq_version": RABBIT_COMPAT_VERSION,
-        "erlang_version": "none (Python)", "cluster_name": call.node.config.cluster,
+        "erlang_version": "none (Python)", "cluster_name": cluster_name_of(call),
         "node": call.node_name, "exchange_types": [
             {"name": t, "description": "", "enabled": True}
             for t in ("direct", "fanout", "topic", "headers", "x-consistent-hash")],
@@ -133,8 +132,10 @@ async def overview(call: Call) -> dict[str, Any]:
     }
 
 
-async def cluster_name(call: Call) -> dict[str, Any]:
-    return {"name": call.node.config.cluster}
+def cluster_name_of(call: Call) -> str:
+    """As /api/cluster-name answers it (leveret/http/api_federation.py): the stored name, else the default."""
+    federation = call.node.federation
+    return federation.cluster_name() if federation is not None else call.node.config.cluster
 
 
 def _node_json(call: Call) -> dict[str, Any]:
@@ -565,7 +566,7 @@ async def parameter_put(call: Call) -> web.Response:
         raise bad_request("value is required")
     vh, key = call.vhost(write=True), (call.params["component"], call.params["name"])
     existed = key in vh.parameters
-    # Validated (a shovel's definition: 400), stored, and a shovel started or restarted at once.
+    # Validated (a shovel's or federation upstream's definition: 400), stored, and applied at once.
     await api_shovels.set_parameter(call, vh.name, *key, body["value"])
     return created(existed)
 

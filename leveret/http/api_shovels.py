@@ -8,7 +8,7 @@ from core.ports.store import StoreError
 from leveret.http import listing
 from leveret.http.errors import HttpError, bad_request, not_found
 from leveret.http.responses import no_content
-from leveret.shovel.spec import ShovelError
+from leveret.shovel.spec import ParameterError, ShovelError
 
 if TYPE_CHECKING:
     from leveret.http.routing import Router
@@ -36,6 +36,8 @@ async def set_parameter(call: Call, vhost: str, component: str, name: str, value
         await manager.set_parameter(vhost, component, name, value)
     except ShovelError as exc:
         raise bad_request(f"invalid shovel {name!r}: {exc}") from None
+    except ParameterError as exc:
+        raise bad_request(f"invalid {component} {name!r}: {exc}") from None
     except StoreError as exc:
         raise _unavailable(exc) from None
 

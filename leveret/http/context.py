@@ -10,6 +10,7 @@ if TYPE_CHECKING:
     from core.engine.broker import Broker
     from core.ports.store import MessageStore
     from leveret.config import NodeConfig
+    from leveret.federation.manager import FederationManager
     from leveret.shovel.manager import ShovelManager
 
 
@@ -20,3 +21,4 @@ class NodeView(Protocol):
     config: NodeConfig
     cluster: EtcdCluster | None
     shovels: ShovelManager | None
+    federation: FederationManager | None

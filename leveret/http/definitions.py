@@ -18,12 +18,14 @@ from core.engine.vhost import VirtualHost
 from core.model.errors import BrokerError
 from core.model.policy import Policy
 from leveret import __version__
+from leveret.federation import spec as federation_spec
 from leveret.http import api_shovels, declare, metadata
 from leveret.http.api_admin import (
     PRODUCT,
     RABBIT_COMPAT_VERSION,
     _tags,
     check_regex,
+    cluster_name_of,
     permission_from_json,
     policy_from_json,
     save_user,
@@ -79,7 +81,7 @@ async def export(call: Call) -> Any:
         out["topic_permissions"] = [p for p in topic_permissions if p["user"] in portable]
         out["leveret_permissions"] = [p for p in permissions if p["user"] not in portable]
         out["leveret_topic_permissions"] = [p for p in topic_permissions if p["user"] not in portable]
-        out["global_parameters"] = [{"name": "cluster_name", "value": call.node.config.cluster}]
+        out["global_parameters"] = [{"name": "cluster_name", "value": cluster_name_of(call)}]
     out["parameters"] = [{"vhost": vh.name, "component": c, "name": n, "value": v}
                          for vh in vhosts for (c, n), v in vh.parameters.items()]
     # RabbitMQ exports vhost limits as this parameter (checked with 3.10.8).
@@ -218,6 +220,11 @@ def plan_import(call: Call, data: dict[str, Any], only_vhost: str | None) -> Pla
                 shovel_spec.parse(vhost, name, value)
             except shovel_spec.ShovelError as exc:
                 raise bad_request(f"invalid shovel {name!r}: {exc}") from None
+        elif component in federation_spec.COMPONENTS:
+            try:
+                federation_spec.validate(component, name, value)
+            except federation_spec.FederationError as exc:
+                raise bad_request(f"invalid {component} {name!r}: {exc}") from None
         plan.parameters.append((vhost, component, name, value))
     for item in _list(data, "exchanges"):
         name = _str(item, "name", "exchange")

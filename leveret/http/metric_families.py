@@ -41,6 +41,7 @@ from leveret import __version__, resources
 
 if TYPE_CHECKING:
     from core.engine.queue import Queue
+    from leveret.federation.link import FederationLink
     from leveret.node import Node
 
 PROTOCOL = "amqp091"
@@ -374,11 +375,37 @@ class NodeCollector:
             for owner, count in sorted(per_node.items()):
                 owned.add_metric([owner], count)
             yield owned
+        federation = node.federation
+        if federation is not None:
+            yield from _federation(federation.running.values())
         retention = node.retention
         if retention is not None:
             yield CounterMetricFamily("leveret_retention_runs_total",
                                       "Retention job runs this node started and saw finish", value=retention.runs)
         yield from _last_retention_report(Path(node.config.data_dir) / "retention" / "last-report.json")
+
+
+def _federation(links: Iterable[FederationLink]) -> Iterator[Metric]:
+    """The federation links this node runs (docs/FEDERATION.md): a handful, so one series per link."""
+    by_status = GaugeMetricFamily("leveret_federation_links", "Federation links this node runs, by status",
+                                  labels=["status"])
+    forwarded = CounterMetricFamily("leveret_federation_messages_forwarded",
+                                    "Messages a federation link republished into its exchange",
+                                    labels=["vhost", "exchange", "upstream"])
+    dropped = CounterMetricFamily("leveret_federation_messages_dropped",
+                                  "Messages a federation link dropped by loop prevention (max-hops, x-received-from)",
+                                  labels=["vhost", "exchange", "upstream"])
+    counts = dict.fromkeys(("running", "starting", "error"), 0)
+    for link in links:
+        counts[link.state] = counts.get(link.state, 0) + 1
+        labels = [link.spec.vhost, link.spec.exchange, link.spec.upstream.name]
+        forwarded.add_metric(labels, link.forwarded)
+        dropped.add_metric(labels, link.dropped)
+    for status, n in counts.items():
+        by_status.add_metric([status], n)
+    yield by_status
+    yield forwarded
+    yield dropped
 
 
 _report_cache: dict[str, tuple[float, dict[str, Any]]] = {}

@@ -1,10 +1,12 @@
-"""Who runs a shovel: exactly one node of a cluster, held like a queue's ownership.
+"""Who runs a shovel (or a federation link): exactly one node of a cluster, held like a queue's ownership.
 
 In a cluster the holder is an etcd key ``/leveret/<cluster>/shovels/<vhost>/<name>``
 put on the node's lease by a transaction that succeeds only while the key does
 not exist (create revision 0), as queue owners are elected
 (coordination/etcd.py). When the node dies its lease expires, etcd deletes the
 key and the next node to ask takes the shovel. A single node holds every shovel.
+Federation links are held the same way under ``federation/`` (``kind``), named
+``<vhost>/<exchange>/<upstream>``.
 """
 
 from __future__ import annotations
@@ -54,14 +56,15 @@ class LocalHolder:
 
 
 class EtcdHolder:
-    def __init__(self, cluster: EtcdCluster) -> None:
+    def __init__(self, cluster: EtcdCluster, kind: str = "shovels") -> None:
         self.cluster = cluster
         self.node = cluster.node_id
+        self.kind = kind  # the key's folder: "shovels", "federation"
 
     def _key(self, vhost: str, name: str) -> bytes:
         from coordination.keys import q
 
-        return (self.cluster.keys.prefix + f"shovels/{q(vhost)}/{q(name)}").encode()
+        return (self.cluster.keys.prefix + f"{self.kind}/{q(vhost)}/{q(name)}").encode()
 
     async def acquire(self, vhost: str, name: str) -> bool:
         if self.cluster.lease.lost or not self.cluster.lease_id:
@@ -72,7 +75,7 @@ class EtcdHolder:
             compare=[t.create(key) == 0], success=[t.put(key, self.node.encode(), lease=self.cluster.lease_id)],
             failure=[])
         if ok:
-            log.info("shovel assigned", extra={"vhost": vhost, "shovel": name, "node": self.node})
+            log.info(f"{self.kind} assigned", extra={"vhost": vhost, self.kind: name, "node": self.node})
         return bool(ok)
 
     async def holder(self, vhost: str, name: str) -> str | None:

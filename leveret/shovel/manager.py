@@ -7,13 +7,18 @@ never undone by a read that started before its write. A shovel defined
 anywhere is tried here each poll: the node that wins the hold (hold.py) runs
 it, the others only list it. A shovel set or cleared through this node's API
 starts or stops at once, not at the next poll.
+
+The manager is the node's one reader and writer of runtime parameters: other
+components that live in them (federation upstreams and upstream sets,
+leveret/federation/) register a ``ParameterListener`` and are validated,
+applied and told of changes through it, so the parameters are polled once.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 from core.ports.store import StoreError
 from leveret.background import stop_task
@@ -30,6 +35,24 @@ log = logging.getLogger("leveret.shovel")
 Key = tuple[str, str, str]  # (vhost, component, name)
 
 
+class ParameterListener(Protocol):
+    """A component other than ``shovel`` whose parameters the manager stores and polls for it."""
+
+    components: frozenset[str]
+
+    def validate(self, vhost: str, component: str, name: str, value: Any) -> None:
+        """ParameterError (400) when ``value`` is not acceptable; nothing is stored then."""
+        ...
+
+    def apply(self, vhost: str, component: str, name: str, value: Any) -> None:
+        """The parameter as stored now (None: cleared); also for a vhost this node does not have."""
+        ...
+
+    async def changed(self) -> None:
+        """A parameter of the listener's was set or cleared through this node: act on it now."""
+        ...
+
+
 class ShovelManager:
     def __init__(self, broker: Broker, store: MessageStore, holder: Holder, node: str, local_port: int,
                  poll: float = 1.0) -> None:
@@ -44,6 +67,7 @@ class ShovelManager:
         self._seen: dict[Key, Any] = {}
         self._task: asyncio.Task[None] | None = None
         self._lock = asyncio.Lock()  # one reconcile at a time (poll and API calls)
+        self.listeners: list[ParameterListener] = []
 
     # -- lifecycle -------------------------------------------------------------------
     async def start(self) -> None:
@@ -61,9 +85,21 @@ class ShovelManager:
 
     # -- parameters, as the management API sets and clears them ----------------------
     def validate(self, vhost: str, component: str, name: str, value: Any) -> None:
-        """ShovelError (400) when a shovel parameter is not a valid definition; other components pass."""
+        """ParameterError (400) when a shovel's or a listener's parameter is not valid; other components pass."""
         if component == COMPONENT:
             parse(vhost, name, value)
+        for listener in self.listeners:
+            if component in listener.components:
+                listener.validate(vhost, component, name, value)
+
+    async def _changed(self, component: str) -> None:
+        for listener in self.listeners:
+            if component in listener.components:
+                try:
+                    await listener.changed()
+                except Exception as exc:  # noqa: BLE001  stored already: its own poll retries
+                    log.warning("applying a runtime parameter failed; retried by the next poll",
+                                extra={"component": component, "error": f"{type(exc).__name__}: {exc}"})
 
     async def set_parameter(self, vhost: str, component: str, name: str, value: Any) -> None:
         """Validated, stored (StoreError: not stored, not applied), applied here now."""
@@ -72,6 +108,7 @@ class ShovelManager:
         self._apply((vhost, component, name), value)
         if component == COMPONENT:
             await self._reconcile_now()
+        await self._changed(component)
 
     async def clear_parameter(self, vhost: str, component: str, name: str) -> bool:
         vh = self.broker.vhosts.get(vhost)
@@ -80,6 +117,7 @@ class ShovelManager:
         self._apply((vhost, component, name), None)
         if component == COMPONENT:
             await self._reconcile_now()
+        await self._changed(component)
         return existed
 
     async def _reconcile_now(self) -> None:
@@ -98,6 +136,9 @@ class ShovelManager:
                 vh.parameters.pop((component, name), None)
             else:
                 vh.parameters[(component, name)] = value
+        for listener in self.listeners:
+            if component in listener.components:
+                listener.apply(vhost, component, name, value)
         if component != COMPONENT:
             return
         if value is None or vh is None:

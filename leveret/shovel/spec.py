@@ -24,7 +24,11 @@ KNOWN = frozenset({
 })
 
 
-class ShovelError(ValueError):
+class ParameterError(ValueError):
+    """A runtime parameter that cannot be accepted, of any component (the management API answers 400)."""
+
+
+class ShovelError(ParameterError):
     """The parameter is not a valid shovel definition (the management API answers 400 with this text)."""
 
 

@@ -23,92 +23,30 @@ import aiormq
 from aiormq.abc import DeliveredMessage
 from pamqp import commands as spec_commands
 
-from leveret.shovel.spec import ShovelSpec, client_uri, redact
+from leveret.shovel.session import CLOSE_TIMEOUT, Acks, Supervised, close, connect
+from leveret.shovel.spec import ShovelSpec, redact
 
 log = logging.getLogger("leveret.shovel")
-CONNECT_TIMEOUT = 30.0
-CLOSE_TIMEOUT = 5.0
-# aiormq logs each lost connection at warning level with a full traceback; the
-# shovel logs one line with the reason instead (and shows it in /api/shovels).
-logging.getLogger("aiormq").setLevel(logging.ERROR)
 
 
 class Finished(Exception):
     """src-delete-after reached: the shovel deletes itself."""
 
 
-class Acks:
-    """Source acks coalesced into one ``basic.ack(multiple)`` per loop turn.
-
-    Confirms come back out of order (one task per delivery), so a tag is acked
-    only once every tag below it is settled too: ``floor``. Sending one
-    multiple-ack per turn instead of one frame per message halves the shovel's
-    socket writes (each send cost ~70 us of the ~200 us per message it spent,
-    profiled on this loaded machine).
-    """
-
-    def __init__(self, channel: aiormq.abc.AbstractChannel, failed: Callable[[BaseException], None]) -> None:
-        self.channel = channel
-        self.failed = failed
-        self.floor = 0  # every tag <= floor is settled
-        self.sent = 0  # acked at the source up to here
-        self._settled: set[int] = set()
-        self._scheduled = False
-
-    def settle(self, tag: int) -> None:
-        self._settled.add(tag)
-        while self.floor + 1 in self._settled:
-            self.floor += 1
-            self._settled.discard(self.floor)
-        if self.floor > self.sent and not self._scheduled:
-            self._scheduled = True
-            asyncio.get_running_loop().call_soon(self._spawn)
-
-    def _spawn(self) -> None:
-        asyncio.get_running_loop().create_task(self.flush())
-
-    async def flush(self) -> None:
-        self._scheduled = False
-        if self.floor <= self.sent:
-            return
-        upto, self.sent = self.floor, self.floor
-        try:
-            await self.channel.basic_ack(upto, multiple=True)
-        except Exception as exc:  # noqa: BLE001  the session ends; unacked messages are redelivered
-            self.failed(exc)
-
-
-class ShovelRunner:
+class ShovelRunner(Supervised):
     """Runs one shovel until stopped or finished, reconnecting after ``reconnect-delay`` on any failure."""
 
     def __init__(self, spec: ShovelSpec, node: str, local_port: int,
                  on_finished: Callable[[ShovelSpec], None]) -> None:
+        super().__init__()
+        self.task_name = f"shovel {spec.name}"
         self.spec = spec
         self.node = node
         self.local_port = local_port
         self.on_finished = on_finished
-        self.state = "starting"
-        self.reason = ""  # the last error, shown while terminated
-        self.since = time.time()
         self.shovelled = 0  # messages acked at the source (or sent, for no-ack) since the shovel started
         self._remaining: int | None = None  # src-delete-after: messages still to move
         self._in_flight = 0
-        self._task: asyncio.Task[None] | None = None
-
-    def start(self) -> None:
-        self._task = asyncio.get_running_loop().create_task(self._run(), name=f"shovel {self.spec.name}")
-
-    async def stop(self) -> None:
-        task, self._task = self._task, None
-        if task is not None and not task.done():
-            task.cancel()
-            try:
-                await task
-            except asyncio.CancelledError:
-                pass
-
-    def _set(self, state: str, reason: str = "") -> None:
-        self.state, self.reason, self.since = state, reason, time.time()
 
     async def _run(self) -> None:
         spec = self.spec
@@ -147,26 +85,16 @@ class ShovelRunner:
         await probe.close()
         return int(ok.message_count or 0)
 
-    async def _connect(self, uri: str) -> aiormq.abc.AbstractConnection:
-        # A host that drops packets would otherwise keep the shovel "starting" for minutes.
-        return await asyncio.wait_for(aiormq.connect(client_uri(uri, self.local_port)), CONNECT_TIMEOUT)
-
-    @staticmethod
-    async def _close(conn: aiormq.abc.AbstractConnection) -> None:
-        # Closing a connection whose peer died must neither hang nor hide the error that ended the session.
-        with contextlib.suppress(Exception):
-            await asyncio.wait_for(conn.close(), CLOSE_TIMEOUT)
-
     async def _session(self, src_uri: str, dest_uri: str) -> None:
-        src = await self._connect(src_uri)
+        src = await connect(src_uri, self.local_port)
         try:
-            dest = await self._connect(dest_uri)
+            dest = await connect(dest_uri, self.local_port)
             try:
                 await self._shovel(src, dest, src_uri, dest_uri)
             finally:
-                await self._close(dest)
+                await close(dest)
         finally:
-            await self._close(src)
+            await close(src)
 
     async def _shovel(self, src: aiormq.abc.AbstractConnection, dest: aiormq.abc.AbstractConnection,
                       src_uri: str, dest_uri: str) -> None:
@@ -290,7 +218,7 @@ class ShovelRunner:
         spec = self.spec
         out: dict[str, Any] = {
             "node": self.node, "name": spec.name, "vhost": spec.vhost, "type": "dynamic", "state": self.state,
-            "timestamp": time.strftime("%Y-%m-%d %H:%M:%S", time.gmtime(self.since)),
+            "timestamp": self.timestamp(),
             "src_protocol": "amqp091", "dest_protocol": "amqp091",
             "src_uri": redact(spec.src_uris[0]), "dest_uri": redact(spec.dest_uris[0]),
             "blocked_status": self.state, "messages_shovelled": self.shovelled,

@@ -266,6 +266,14 @@ const views = {
       s.src_exchange || ""}`], ["Destination", (s) => `${s.dest_uri || ""} ${s.dest_queue || s.dest_exchange || ""}`],
       ["Moved", (s) => s.messages_shovelled ?? "", true], ["Last error", (s) => s.reason || ""]], ss, "shovels")] };
   },
+
+  async federation() {
+    const ls = await api("GET", "/federation-links");
+    return { view: [el("h2", {}, "Federation links"), table("federation", [["Vhost", (l) => l.vhost],
+      ["Exchange", (l) => l.exchange], ["Upstream", (l) => l.upstream], ["URI", (l) => l.uri],
+      ["Upstream exchange", (l) => l.upstream_exchange], ["Status", (l) => l.status], ["Node", (l) => l.node],
+      ["Forwarded", (l) => l.messages_forwarded ?? "", true], ["Error", (l) => l.error || ""]], ls, "federation")] };
+  },
 };
 
 async function act(fn, done) {

@@ -1,0 +1,121 @@
+"""A federated exchange in a cluster: its link runs on exactly one node, and moves when that node dies (kill -9).
+
+The upstream is a single-node broker outside the cluster. The downstream queue
+is declared through the node that does not run the link, so the kill -9 takes
+only the link away: every message confirmed upstream during the run arrives.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pika
+import pytest
+
+from compat_tests.cluster_process import Cluster
+from compat_tests.mgmt_http import Mgmt, wait_http
+from compat_tests.test_federation import X, named
+from compat_tests.test_shovel import drain
+from tests.etcd import EtcdServer
+from tests.etcd import etcd_server_fixture as etcd_server_fixture  # the module-scoped `etcd_server`
+from tests.pg import throwaway_postgres
+
+pytestmark = pytest.mark.timeout(240)
+
+
+@pytest.fixture
+def cluster(etcd_server: EtcdServer) -> Iterator[Cluster]:
+    with throwaway_postgres() as dsn, Cluster(2, etcd=etcd_server, postgres_dsn=dsn, lease_ttl=2) as c:
+        yield c
+        print(c.diagnostics())
+
+
+def api(cluster: Cluster, node_id: str) -> Mgmt:
+    node = cluster.nodes[node_id]
+    mgmt = Mgmt(f"http://127.0.0.1:{node.management_port}", "guest", "guest", node.url, leveret=True)
+    wait_http(mgmt)
+    return mgmt
+
+
+def links(cluster: Cluster, node_id: str) -> list[dict[str, Any]]:
+    return list(api(cluster, node_id).get("/api/federation-links"))
+
+
+def runners(cluster: Cluster, node_id: str) -> list[str]:
+    """The nodes that run the link, as node_id's API lists it."""
+    return [link["node"] for link in links(cluster, node_id) if link["status"] == "running"]
+
+
+def test_link_runs_on_one_node_and_moves_when_it_dies(cluster: Cluster, tmp_path: Path) -> None:
+    up = named(tmp_path, "upstream")
+    try:
+        n1 = api(cluster, "n1")
+        n1.ok("PUT", "/api/cluster-name", {"name": "downstream"})
+        n1.ok("PUT", "/api/parameters/federation-upstream/%2F/up", {"value": {
+            "uri": up.node.url, "prefetch-count": 20, "reconnect-delay": 0.5}})
+        n1.ok("PUT", "/api/policies/%2F/federate", {"pattern": r"^fed\.", "apply-to": "exchanges",
+                                                    "definition": {"federation-upstream": "up"}})
+        n1.ok("PUT", f"/api/exchanges/%2F/{X}", {"type": "topic", "durable": True})
+        cluster.wait_for(lambda: len(runners(cluster, "n1")) == 1, "the link to run", timeout=20)
+        holder = runners(cluster, "n1")[0]
+        other = "n2" if holder == "n1" else "n1"
+        cluster.wait_for(lambda: runners(cluster, other) == [holder], "the other node to list the holder")
+        # Every node agrees on the cluster name: the one stored, not each node's own.
+        cluster.wait_for(lambda: api(cluster, other).get("/api/cluster-name") == {"name": "downstream"},
+                         "the cluster name to reach the other node")
+        conn = pika.BlockingConnection(pika.URLParameters(cluster.url(other)))
+        ch = conn.channel()
+        ch.queue_declare("got", durable=True)  # owned by the node that stays up
+        ch.queue_bind("got", X, "orders.#")
+        conn.close()
+
+        def upstream_consumers() -> int:
+            queue = f"federation: {X} to downstream"
+            return int(next((q.get("consumers", 0) for q in up.mgmt.get("/api/queues/%2F") if q["name"] == queue), 0))
+
+        cluster.wait_for(lambda: upstream_consumers() == 1, "one consumer upstream (one node runs the link)")
+
+        confirmed: list[bytes] = []
+        stop = threading.Event()
+
+        def publisher() -> None:
+            c = pika.BlockingConnection(pika.URLParameters(up.node.url))
+            pch = c.channel()
+            pch.confirm_delivery()
+            i = 0
+            while not stop.is_set():
+                body = f"m{i}".encode()
+                pch.basic_publish(X, f"orders.{i % 5}", body, pika.BasicProperties(delivery_mode=2))
+                confirmed.append(body)
+                i += 1
+                time.sleep(0.002)
+            c.close()
+
+        # The binding reached upstream before publishing starts: what is confirmed from now on is routed there.
+        deadline = time.monotonic() + 20
+        while not any(link.get("bindings") for link in links(cluster, holder)) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        time.sleep(0.5)
+        t = threading.Thread(target=publisher)
+        t.start()
+        try:
+            cluster.wait_for(lambda: len(confirmed) >= 300, "messages published before the kill", timeout=30)
+            cluster.kill(holder)  # kill -9 of the node running the link
+            started = time.monotonic()
+            cluster.wait_for(lambda: runners(cluster, other) == [other], "the link to move", timeout=30)
+            print(f"link moved from {holder} to {other} {time.monotonic() - started:.1f} s after the kill -9")
+            n = len(confirmed)
+            cluster.wait_for(lambda: len(confirmed) >= n + 300, "messages published after the move", timeout=30)
+        finally:
+            stop.set()
+            t.join(10)
+        wanted = set(confirmed)
+        got = drain(cluster.url(other), "got", lambda got: wanted <= set(got), timeout=60)
+        assert not wanted - set(got), f"{len(wanted - set(got))} confirmed messages never arrived"
+        assert len(got) - len(set(got)) <= 20  # redeliveries of the prefetch window in flight at the kill
+    finally:
+        up.node.cleanup()

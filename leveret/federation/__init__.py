@@ -1,0 +1,4 @@
+"""Exchange federation (runtime parameters ``federation-upstream``, ``federation-upstream-set``), as RabbitMQ's.
+
+See docs/FEDERATION.md.
+"""
