@@ -153,6 +153,20 @@ def test_duplicate_binding_is_idempotent(vh: VirtualHost) -> None:
     assert len(x.bindings) == 2
 
 
+def test_binding_watchers_hear_every_change_and_the_drop(vh: VirtualHost) -> None:
+    """A federation link keeps its upstream bindings in step from these calls, not by polling."""
+    (q,) = declare(vh, "q")
+    x = vh.declare_exchange("t", "topic")
+    calls: list[int] = []
+    x.binding_watchers.append(lambda: calls.append(len(x.bindings)))
+    vh.bind("t", q, "a.#", None)
+    vh.bind("t", q, "a.#", None)  # identical: nothing changed, nobody told
+    vh.bind("t", q, "b.*", None)
+    vh.unbind("t", q, "a.#", None)
+    vh.delete_exchange("t")
+    assert calls == [1, 2, 1, 0]
+
+
 def test_fanout_exchange_ignores_key(vh: VirtualHost) -> None:
     q1, q2 = declare(vh, "q1", "q2")
     vh.declare_exchange("f", "fanout")

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import bisect
 import hashlib
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, Union
 
 from core.engine.topic import topic_matches
@@ -69,6 +70,9 @@ class Exchange:
         self.bindings: dict[tuple[Any, ...], Binding] = {}
         self.deleted = False
         self.published_in = 0  # messages routed through it: read by the management API (core/engine/stats.py)
+        # Called after every change of this exchange's bindings (and when it is dropped): a federation
+        # link keeps its upstream bindings in step with them. Bindings change at declare speed, not per message.
+        self.binding_watchers: list[Callable[[], None]] = []
 
     def add_binding(self, binding: Binding) -> bool:
         """Add; False when an identical binding already exists."""
@@ -76,13 +80,19 @@ class Exchange:
             return False
         self.bindings[binding.key] = binding
         self._rebuild()
+        self.bindings_changed()
         return True
 
     def remove_binding(self, key: tuple[Any, ...]) -> Binding | None:
         binding = self.bindings.pop(key, None)
         if binding is not None:
             self._rebuild()
+            self.bindings_changed()
         return binding
+
+    def bindings_changed(self) -> None:
+        for watcher in tuple(self.binding_watchers):
+            watcher()
 
     def bindings_to(self, destination: Destination) -> list[Binding]:
         return [b for b in self.bindings.values() if b.destination is destination]

@@ -6,7 +6,7 @@ RabbitMQ's does, a queue ``federation: X to <cluster name>`` (``x-expires`` and
 internal fanout exchange of the same name plus `` A`` or `` B`` that feeds it.
 That exchange is bound to the upstream exchange with exactly the routing keys
 (and arguments) of X's bindings here, kept in step as bindings come and go
-(each ``BINDING_POLL`` seconds). Each session builds the other one of A and B
+(X calls the link back on every change: ``Exchange.binding_watchers``). Each session builds the other one of A and B
 from the bindings as they are now and then deletes the old one, so bindings
 removed while the link was down do not linger upstream, and the queue (with
 what it kept while the link was down) is never deleted.
@@ -54,7 +54,6 @@ if TYPE_CHECKING:
 log = logging.getLogger("leveret.federation")
 RECEIVED_FROM = "x-received-from"
 BOUND_FROM = "x-bound-from"
-BINDING_POLL = 0.2  # seconds between two looks at X's bindings (a set comparison: ~µs per binding)
 ALARM_POLL = 0.1
 _NAME_UNSAFE = re.compile(r"[^a-zA-Z0-9\-_.:@#,/+ ]")  # what pamqp refuses in a queue or exchange name
 
@@ -301,9 +300,16 @@ class FederationLink(Supervised):
             if not done.done():
                 done.set_exception(ConnectionError("the upstream cancelled the consumer (queue deleted?)"))
 
+        # X tells us when its bindings change (Exchange.binding_watchers); a burst of changes is one sync.
+        # Dropping X wakes it too: sync's lookup then fails the session, and the next one finds the new X.
+        changed = asyncio.Event()
+        watched = self._exchange()
+        watched.binding_watchers.append(changed.set)
+
         async def keep_bindings() -> None:
             while True:
-                await asyncio.sleep(BINDING_POLL)
+                await changed.wait()
+                changed.clear()
                 await sync()
 
         ch.on_consumer_cancel_callbacks.add(cancelled)
@@ -322,6 +328,7 @@ class FederationLink(Supervised):
             raise
         finally:
             keeper.cancel()
+            watched.binding_watchers.remove(changed.set)
         for fut in finished:
             if fut is conn.closing:
                 exc = fut.exception() if not fut.cancelled() else None
