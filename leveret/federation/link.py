@@ -54,7 +54,6 @@ if TYPE_CHECKING:
 log = logging.getLogger("leveret.federation")
 RECEIVED_FROM = "x-received-from"
 BOUND_FROM = "x-bound-from"
-ALARM_POLL = 0.1
 _NAME_UNSAFE = re.compile(r"[^a-zA-Z0-9\-_.:@#,/+ ]")  # what pamqp refuses in a queue or exchange name
 
 
@@ -280,8 +279,7 @@ class FederationLink(Supervised):
                 return
             stamp(props, headers, {**source, "redelivered": bool(getattr(message.delivery, "redelivered", False))},
                   up.trust_user_id)
-            while self.broker.alarms.raised:  # a memory or disk alarm here holds the link as it holds publishers
-                await asyncio.sleep(ALARM_POLL)
+            await self.broker.alarms.wait_clear()  # a memory or disk alarm here holds the link as it holds publishers
             try:
                 x = self._exchange()
                 msg = Message(spec.exchange, getattr(message.delivery, "routing_key", "") or "", props.marshal(),
