@@ -1,0 +1,255 @@
+"""Append-only segment files for large message bodies (the embedded store's body store).
+
+SQLite writes every byte twice (its WAL, then the checkpoint into the main
+file), which halved the rate of 1 MiB persistent messages. A body at or above
+the threshold is appended here instead and the messages row keeps only a
+reference: (segment, position, length, crc32). Files are
+``<dir>/<segment:016x>.seg``, raw bodies back to back, no framing: every fact
+about a body (where it is, how long, its checksum, which queue owns it) is in
+the SQLite row, which commits after the bytes are fsynced (see sqlite.py).
+
+This class only does file I/O and is not thread-safe: the SQLite store calls
+it from its one worker thread, between its transactions. The caller decides
+what is committed; after a crash, ``recover`` is told each segment's
+committed end by SQLite and removes everything else.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import zlib
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import NamedTuple
+
+log = logging.getLogger("leveret.store")
+
+# A new segment after this many bytes. RabbitMQ's msg_store files are 16 MiB; a larger
+# file means fewer file creations (each costs a directory fsync before the commit that
+# first references it) and fewer fds; a smaller one frees disk sooner when one slow
+# body keeps a file alive. Compaction bounds the waste either way.
+SEGMENT_BYTES = 64 * 1024 * 1024
+
+# writev takes at most IOV_MAX buffers (1024 on Linux).
+_IOV_MAX = os.sysconf("SC_IOV_MAX") if hasattr(os, "sysconf") else 1024
+
+_SUFFIX = ".seg"
+
+
+class BodyRef(NamedTuple):
+    """Where a body is: what the messages row keeps instead of the bytes."""
+
+    segment: int
+    position: int
+    length: int
+    crc: int
+
+
+class CorruptBody(Exception):
+    """A referenced body is missing or fails its checksum."""
+
+
+@dataclass
+class Recovery:
+    """What ``recover`` found on open (logged by the store; tests read it)."""
+
+    removed: list[int] = field(default_factory=list)  # segments no committed row references
+    truncated: dict[int, int] = field(default_factory=dict)  # segment -> bytes cut past its committed end
+    missing: list[int] = field(default_factory=list)  # committed segments whose file is gone
+
+
+def segment_name(segment: int) -> str:
+    return f"{segment:016x}{_SUFFIX}"
+
+
+class SegmentStore:
+    def __init__(self, directory: str | Path, segment_bytes: int = SEGMENT_BYTES) -> None:
+        self.directory = Path(directory)
+        self.segment_bytes = segment_bytes
+        self._fds: dict[int, int] = {}  # open segments (read and write)
+        self.active: int | None = None  # the segment appends go to
+        self.active_end = 0  # its size: where the next append lands
+        # Segments written since the last sync, and their ends before the first such write
+        # (what ``rollback`` truncates back to).
+        self._dirty: dict[int, int] = {}
+        self._new_dir_entry = False  # a segment was created since the last sync
+        self._next = 0  # the number of the next segment created
+
+    # -- open and recovery ---------------------------------------------------------
+    def recover(self, committed: dict[int, int]) -> Recovery:
+        """Make the directory hold exactly what SQLite references; ``committed``: segment -> committed end.
+
+        A file no committed row references is removed (an orphan: its rows were
+        deleted, or compaction moved them, or the commit that would have referenced
+        it never happened); bytes past a segment's committed end are cut (a batch
+        written but never committed: the crash came between the fsync and the commit).
+        """
+        self.directory.mkdir(parents=True, exist_ok=True)
+        report = Recovery()
+        present: set[int] = set()
+        for path in self.directory.iterdir():
+            if not path.name.endswith(_SUFFIX):
+                continue
+            try:
+                segment = int(path.name[: -len(_SUFFIX)], 16)
+            except ValueError:
+                continue
+            present.add(segment)
+            end = committed.get(segment)
+            if end is None:
+                path.unlink()
+                report.removed.append(segment)
+                continue
+            size = path.stat().st_size
+            if size > end:
+                with open(path, "r+b") as f:
+                    f.truncate(end)
+                    os.fsync(f.fileno())
+                report.truncated[segment] = size - end
+        report.missing = sorted(set(committed) - present)
+        if report.removed:
+            self._sync_dir()
+        # Appends continue in a fresh segment: the newest one may end in a torn or
+        # cut write, and a new file keeps each segment's bytes those of one run.
+        self._next = max([*committed, *present], default=-1) + 1
+        self.active = None
+        self.active_end = 0
+        return report
+
+    # -- writes (the caller syncs, then commits the references) --------------------------
+    def append(self, bodies: Sequence[bytes | bytearray | memoryview]) -> list[BodyRef]:
+        """Write ``bodies`` after the active segment's end (a new segment when it is full).
+
+        Not durable until ``sync``; one writev per segment and up to IOV_MAX bodies,
+        straight from the caller's buffers (no copy into a joined buffer).
+        """
+        refs: list[BodyRef] = []
+        i = 0
+        while i < len(bodies):
+            if self.active is None or self.active_end >= self.segment_bytes:
+                self._roll()
+            assert self.active is not None
+            segment, fd, start = self.active, self._fds[self.active], self.active_end
+            group: list[bytes | bytearray | memoryview] = []
+            position = start
+            while i < len(bodies) and len(group) < _IOV_MAX and (not group or position < self.segment_bytes):
+                body = bodies[i]
+                length = len(body)
+                refs.append(BodyRef(segment, position, length, zlib.crc32(body)))
+                group.append(body)
+                position += length
+                i += 1
+            self._dirty.setdefault(segment, start)
+            _write_all(fd, group, start, position - start)
+            self.active_end = position
+        return refs
+
+    def sync(self) -> None:
+        """fdatasync every segment written since the last sync (and the directory, for new files).
+
+        The written ranges stay marked until ``synced`` (their references committed) or
+        ``rollback`` (the commit failed).
+        """
+        for segment in self._dirty:
+            os.fdatasync(self._fds[segment])
+        if self._new_dir_entry:
+            self._sync_dir()
+            self._new_dir_entry = False
+
+    def synced(self) -> None:
+        """The references to what was synced are committed: nothing to roll back any more."""
+        self._dirty.clear()
+
+    def rollback(self) -> None:
+        """The commit of the references failed: cut every segment back to where this write began."""
+        for segment, end in self._dirty.items():
+            fd = self._fds.get(segment)
+            if fd is not None:
+                os.ftruncate(fd, end)
+            if segment == self.active:
+                self.active_end = end
+        self._dirty.clear()
+
+    def _roll(self) -> None:
+        segment = self._next
+        self._next += 1
+        path = self.directory / segment_name(segment)
+        self._fds[segment] = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | getattr(os, "O_CLOEXEC", 0), 0o640)
+        self.active = segment
+        self.active_end = 0
+        self._new_dir_entry = True
+
+    def _sync_dir(self) -> None:
+        fd = os.open(self.directory, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+
+    # -- reads ---------------------------------------------------------------------
+    def read(self, ref: BodyRef) -> bytes:
+        """The body ``ref`` names, its checksum verified (CorruptBody otherwise)."""
+        fd = self._fds.get(ref.segment)
+        if fd is None:
+            try:
+                fd = os.open(self.directory / segment_name(ref.segment), os.O_RDWR | getattr(os, "O_CLOEXEC", 0))
+            except FileNotFoundError:
+                raise CorruptBody(f"segment {segment_name(ref.segment)} is missing") from None
+            self._fds[ref.segment] = fd
+        body = os.pread(fd, ref.length, ref.position)
+        if len(body) != ref.length:
+            raise CorruptBody(f"segment {segment_name(ref.segment)} ends before {ref.position}+{ref.length}")
+        crc = zlib.crc32(body)
+        if crc != ref.crc:
+            raise CorruptBody(
+                f"checksum mismatch in segment {segment_name(ref.segment)} at {ref.position}+{ref.length}"
+                f" (stored {ref.crc:#010x}, read {crc:#010x})"
+            )
+        return body
+
+    # -- removal ---------------------------------------------------------------------
+    def remove(self, segment: int) -> None:
+        """Delete a segment no committed row references any more (never the active one)."""
+        assert segment != self.active, "the active segment is never removed"
+        fd = self._fds.pop(segment, None)
+        if fd is not None:
+            os.close(fd)
+        try:
+            (self.directory / segment_name(segment)).unlink()
+        except FileNotFoundError:
+            pass
+
+    def seal(self) -> None:
+        """Start the next append in a new segment (compaction must not write into the file it empties)."""
+        self.active = None
+
+    def close(self) -> None:
+        for fd in self._fds.values():
+            os.close(fd)
+        self._fds.clear()
+        self.active = None
+
+    def segments_on_disk(self) -> list[int]:
+        return sorted(
+            int(p.name[: -len(_SUFFIX)], 16) for p in self.directory.iterdir() if p.name.endswith(_SUFFIX)
+        )
+
+
+def _write_all(fd: int, buffers: list[bytes | bytearray | memoryview], position: int, total: int) -> None:
+    """pwritev the buffers at ``position``; a short write (signals, a full disk) goes on where it stopped."""
+    done = os.pwritev(fd, buffers, position)
+    while done < total:
+        rest: list[bytes | bytearray | memoryview] = []
+        skip = done
+        for b in buffers:
+            if skip >= len(b):
+                skip -= len(b)
+            else:
+                rest.append(memoryview(b)[skip:] if skip else b)
+                skip = 0
+        n = os.pwritev(fd, rest[:_IOV_MAX], position + done)
+        if n == 0:
+            raise OSError(f"segment write made no progress at {position + done}")
+        done += n

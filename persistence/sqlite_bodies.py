@@ -1,0 +1,219 @@
+"""The embedded store's large bodies: which go to segment files, and the SQLite side of their references.
+
+Runs on the SQLite store's one worker thread, around its transactions:
+
+- ``write`` (before the transaction): bodies at or above the threshold are
+  appended to the segment files and fdatasynced; the rows then carry
+  ``body = x''`` and the reference. The order is what makes a confirm mean
+  "on disk in both": the bytes are durable before the commit that references
+  them, and the commit (synchronous=FULL) is durable before the confirm.
+- ``committed`` / ``failed`` (after it): a failed commit cuts the segments
+  back, so no unreferenced bytes stay behind.
+- ``collect``: segments whose every body is gone (the delete trigger of
+  migration 050 keeps the counts, whoever deletes) are dropped from
+  ``body_segments`` and then unlinked; a segment whose live bytes fell under
+  COMPACT_BELOW of its size has its live bodies copied to the active segment,
+  its references moved in one transaction, and then is unlinked.
+- ``recover`` (on open): the files are made to match ``body_segments``.
+
+A crash between any two steps leaves either bytes no committed row names
+(cut or removed by ``recover``) or a committed row naming fsynced bytes;
+docs/notes/bodystore.md walks through each step.
+"""
+
+from __future__ import annotations
+
+import logging
+import sqlite3
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from core.ports.store import StoredMessage, StoreError
+from persistence.bodystore import BodyRef, CorruptBody, Recovery, SegmentStore
+
+log = logging.getLogger("leveret.store")
+
+# Bodies of at least this many bytes go to segment files. Measured on this machine
+# (docs/notes/bodystore.md, "Threshold"): see the note for the figures behind it.
+DEFAULT_THRESHOLD = 64 * 1024
+
+# A sealed segment whose live bytes fall under this fraction of its size is compacted:
+# at 0.5 a copy moves at most half a segment (32 MiB, ~0.1 s at this disk's 290 MiB/s
+# of write+fdatasync) and the disk holds at most about twice the live bytes.
+COMPACT_BELOW = 0.5
+
+# Rows deleted by another connection (the retention jobs) are noticed this often.
+COLLECT_EVERY = 10.0
+
+
+class BodyIndex:
+    def __init__(self, directory: str | Path, threshold: int = DEFAULT_THRESHOLD,
+                 segment_bytes: int | None = None) -> None:
+        self.threshold = threshold
+        self.segments = SegmentStore(directory) if segment_bytes is None else SegmentStore(directory, segment_bytes)
+        self._segments_known = False  # body_segments has rows: deletions may free a segment
+        self._last_collect = 0.0
+        self.removed_segments = 0
+        self.compacted_segments = 0
+        self._unreadable: set[int] = set()  # segments compaction gave up on (a corrupt body)
+
+    # -- open ----------------------------------------------------------------------
+    def recover(self, db: sqlite3.Connection) -> Recovery:
+        db.execute("PRAGMA recursive_triggers=ON")  # INSERT OR REPLACE counts the row it replaces
+        committed = dict(db.execute("SELECT segment, end_position FROM body_segments").fetchall())
+        report = self.segments.recover(committed)
+        if report.removed or report.truncated:
+            log.warning("body store recovered", extra={
+                "orphan_segments_removed": len(report.removed), "torn_tails_cut": report.truncated})
+        if report.missing:
+            referenced = sum(
+                db.execute("SELECT count(*) FROM messages WHERE body_segment = ?", (seg,)).fetchone()[0]
+                for seg in report.missing
+            )
+            log.error("body store: committed segment files are missing", extra={
+                "segments": report.missing, "messages_referencing_them": referenced})
+        self._segments_known = bool(committed)
+        self.collect(db)
+        return report
+
+    # -- the write path ----------------------------------------------------------------
+    def write(self, appends: Sequence[StoredMessage]) -> list[BodyRef | None]:
+        """Store the large bodies of ``appends`` and fsync them; the reference of each (None: body inline)."""
+        threshold = self.threshold
+        large = [m.body for m in appends if len(m.body) >= threshold]
+        if not large:
+            return []
+        placed = iter(self.segments.append(large))
+        self.segments.sync()
+        return [next(placed) if len(m.body) >= threshold else None for m in appends]
+
+    def account(self, db: sqlite3.Connection, refs: Sequence[BodyRef | None]) -> None:
+        """Inside the commit's transaction: each written segment's new end and live counts."""
+        per: dict[int, list[int]] = {}
+        for ref in refs:
+            if ref is not None:
+                acc = per.setdefault(ref.segment, [0, 0, 0])
+                acc[0] += 1
+                acc[1] += ref.length
+                acc[2] = max(acc[2], ref.position + ref.length)
+        _add(db, per)
+        if per:
+            self._segments_known = True
+
+    def committed(self) -> None:
+        self.segments.synced()
+
+    def failed(self) -> None:
+        try:
+            self.segments.rollback()
+        except OSError as exc:  # the next open cuts the tail instead
+            log.error("body store: cannot cut back an uncommitted write", extra={"error": str(exc)})
+
+    # -- reads ---------------------------------------------------------------------------
+    def resolve(self, vhost: str, queue: str, rows: list[Any]) -> list[StoredMessage]:
+        """Rows of (offset, message_id, exchange, routing_key, properties, body, enqueued_at, expires_at,
+        delivery_count, body_segment, body_position, size, body_crc) as whole messages."""
+        out: list[StoredMessage] = []
+        read = self.segments.read
+        for (offset, message_id, exchange, routing_key, properties, body, enqueued_at, expires_at, delivery_count,
+             segment, position, size, crc) in rows:
+            if segment is not None:
+                try:
+                    body = read(BodyRef(segment, position, size, crc))
+                except CorruptBody as exc:
+                    log.error("body store: a stored body cannot be read", extra={
+                        "vhost": vhost, "queue": queue, "offset": offset, "error": str(exc)})
+                    raise StoreError(f"message {offset} of {vhost}/{queue}: {exc}") from exc
+            out.append(StoredMessage(vhost, queue, offset, message_id, exchange, routing_key,
+                                     properties, body, enqueued_at, expires_at, delivery_count))
+        return out
+
+    # -- removal and compaction -------------------------------------------------------------
+    def collect(self, db: sqlite3.Connection, deleted: bool = True) -> None:
+        """Drop emptied segments and compact at most one sparse one (after a commit that deleted rows)."""
+        now = time.monotonic()
+        if not deleted and now - self._last_collect < COLLECT_EVERY:
+            return
+        if not self._segments_known and now - self._last_collect < COLLECT_EVERY:
+            return
+        self._last_collect = now
+        rows = db.execute("SELECT segment, end_position, live_count, live_bytes FROM body_segments").fetchall()
+        self._segments_known = bool(rows)
+        active = self.segments.active
+        empty = [seg for seg, _end, count, _live in rows if count <= 0 and seg != active]
+        if empty:
+            db.execute("BEGIN IMMEDIATE")
+            try:
+                db.executemany("DELETE FROM body_segments WHERE segment = ?", [(s,) for s in empty])
+                db.execute("COMMIT")
+            except BaseException:
+                db.execute("ROLLBACK")
+                raise
+            for seg in empty:  # after the commit: a crash before the unlink leaves an orphan recover removes
+                self.segments.remove(seg)
+            self.removed_segments += len(empty)
+        sparse = [
+            (live / end, seg) for seg, end, count, live in rows
+            if count > 0 and seg != active and seg not in self._unreadable and end > 0 and live < COMPACT_BELOW * end
+        ]
+        if sparse:
+            self.compact(db, min(sparse)[1])
+
+    def compact(self, db: sqlite3.Connection, segment: int) -> None:
+        """Copy ``segment``'s live bodies to the active segment, move their references, remove it."""
+        rows = db.execute(
+            'SELECT vhost, queue, "offset", body_position, size, body_crc FROM messages WHERE body_segment = ?'
+            " ORDER BY body_position", (segment,),
+        ).fetchall()
+        try:
+            bodies = [self.segments.read(BodyRef(segment, pos, size, crc)) for _v, _q, _o, pos, size, crc in rows]
+        except CorruptBody as exc:
+            self._unreadable.add(segment)
+            log.error("body store: not compacting a segment with an unreadable body",
+                      extra={"segment": segment, "error": str(exc)})
+            return
+        refs = self.segments.append(bodies) if bodies else []
+        try:
+            self.segments.sync()
+            db.execute("BEGIN IMMEDIATE")
+            try:
+                db.executemany(
+                    'UPDATE messages SET body_segment = ?, body_position = ? WHERE vhost = ? AND queue = ?'
+                    ' AND "offset" = ? AND body_segment = ?',
+                    [(r.segment, r.position, v, q, o, segment)
+                     for r, (v, q, o, *_rest) in zip(refs, rows, strict=True)],
+                )
+                per: dict[int, list[int]] = {}
+                for r in refs:
+                    acc = per.setdefault(r.segment, [0, 0, 0])
+                    acc[0] += 1
+                    acc[1] += r.length
+                    acc[2] = max(acc[2], r.position + r.length)
+                _add(db, per)
+                db.execute("DELETE FROM body_segments WHERE segment = ?", (segment,))
+                db.execute("COMMIT")
+            except BaseException:
+                db.execute("ROLLBACK")
+                raise
+        except BaseException:
+            self.failed()
+            raise
+        self.segments.synced()
+        self.segments.remove(segment)
+        self.compacted_segments += 1
+
+    def close(self) -> None:
+        self.segments.close()
+
+
+def _add(db: sqlite3.Connection, per: dict[int, list[int]]) -> None:
+    """body_segments += (count, bytes) per segment, and its committed end moved to ``end``."""
+    if per:
+        db.executemany(
+            "INSERT INTO body_segments (segment, end_position, live_count, live_bytes) VALUES (?, ?, ?, ?)"
+            " ON CONFLICT (segment) DO UPDATE SET end_position = max(end_position, excluded.end_position),"
+            " live_count = live_count + excluded.live_count, live_bytes = live_bytes + excluded.live_bytes",
+            [(seg, end, count, size) for seg, (count, size, end) in per.items()],
+        )
