@@ -38,6 +38,18 @@ _IOV_MAX = os.sysconf("SC_IOV_MAX") if hasattr(os, "sysconf") else 1024
 _SUFFIX = ".seg"
 
 
+Buffer = bytes | bytearray | memoryview
+
+
+@dataclass
+class Writes:
+    """Writes ``place`` planned: (fd, position, buffers, bytes) per segment run; a new file among them."""
+
+    directory: Path
+    groups: list[tuple[int, int, list[Buffer], int]] = field(default_factory=list)
+    new_dir_entry: bool = False  # fsync the directory too
+
+
 class BodyRef(NamedTuple):
     """Where a body is: what the messages row keeps instead of the bytes."""
 
@@ -110,7 +122,7 @@ class SegmentStore:
                 report.truncated[segment] = size - end
         report.missing = sorted(set(committed) - present)
         if report.removed:
-            self._sync_dir()
+            _sync_dir(self.directory)
         # Appends continue in a fresh segment: the newest one may end in a torn or
         # cut write, and a new file keeps each segment's bytes those of one run.
         self._next = max([*committed, *present], default=-1) + 1
@@ -119,35 +131,52 @@ class SegmentStore:
         return report
 
     # -- writes (the caller syncs, then commits the references) --------------------------
-    def append(self, bodies: Sequence[bytes | bytearray | memoryview]) -> list[BodyRef]:
-        """Write ``bodies`` after the active segment's end (a new segment when it is full).
-
-        Not durable until ``sync``; one writev per segment and up to IOV_MAX bodies,
-        straight from the caller's buffers (no copy into a joined buffer).
-        """
-        refs: list[BodyRef] = []
+    def place(self, bodies: Sequence[Buffer]) -> tuple[list[tuple[int, int]], Writes]:
+        """(segment, position) of each body after the active segment's end (new segments as they fill),
+        and the writes that put them there, not done yet: ``write_and_sync`` does them, on any thread,
+        while the caller computes checksums and commits (see sqlite_bodies.py for why that is safe)."""
+        places: list[tuple[int, int]] = []
+        writes = Writes(self.directory)
         i = 0
         while i < len(bodies):
             if self.active is None or self.active_end >= self.segment_bytes:
                 self._roll()
+                writes.new_dir_entry = True
             assert self.active is not None
-            segment, fd, start = self.active, self._fds[self.active], self.active_end
-            group: list[bytes | bytearray | memoryview] = []
+            segment, start = self.active, self.active_end
+            group: list[Buffer] = []
             position = start
             while i < len(bodies) and len(group) < _IOV_MAX and (not group or position < self.segment_bytes):
-                body = bodies[i]
-                length = len(body)
-                refs.append(BodyRef(segment, position, length, zlib.crc32(body)))
-                group.append(body)
-                position += length
+                places.append((segment, position))
+                group.append(bodies[i])
+                position += len(bodies[i])
                 i += 1
             self._dirty.setdefault(segment, start)
-            _write_all(fd, group, start, position - start)
+            writes.groups.append((self._fds[segment], start, group, position - start))
             self.active_end = position
-        return refs
+        return places, writes
+
+    @staticmethod
+    def write_and_sync(writes: Writes) -> None:
+        """Do ``place``'s writes (one pwritev per segment and up to IOV_MAX bodies, straight from the
+        caller's buffers: no joined copy), then fdatasync each file (and the directory for a new one)."""
+        for fd, position, buffers, total in writes.groups:
+            _write_all(fd, buffers, position, total)
+        for fd in dict.fromkeys(fd for fd, *_rest in writes.groups):
+            os.fdatasync(fd)
+        if writes.new_dir_entry:
+            _sync_dir(writes.directory)
+
+    def append(self, bodies: Sequence[Buffer]) -> list[BodyRef]:
+        """Place and write ``bodies`` now (compaction, tests); durable after ``sync``."""
+        places, writes = self.place(bodies)
+        for fd, position, buffers, total in writes.groups:
+            _write_all(fd, buffers, position, total)
+        self._new_dir_entry = self._new_dir_entry or writes.new_dir_entry
+        return [BodyRef(seg, pos, len(b), zlib.crc32(b)) for (seg, pos), b in zip(places, bodies, strict=True)]
 
     def sync(self) -> None:
-        """fdatasync every segment written since the last sync (and the directory, for new files).
+        """fdatasync every segment written since the last ``synced`` (and the directory, for new files).
 
         The written ranges stay marked until ``synced`` (their references committed) or
         ``rollback`` (the commit failed).
@@ -155,8 +184,12 @@ class SegmentStore:
         for segment in self._dirty:
             os.fdatasync(self._fds[segment])
         if self._new_dir_entry:
-            self._sync_dir()
+            _sync_dir(self.directory)
             self._new_dir_entry = False
+
+    def written_from(self) -> dict[int, int]:
+        """Segment -> where the writes not yet committed begin in it (everything before is fsynced)."""
+        return dict(self._dirty)
 
     def synced(self) -> None:
         """The references to what was synced are committed: nothing to roll back any more."""
@@ -179,14 +212,7 @@ class SegmentStore:
         self._fds[segment] = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | getattr(os, "O_CLOEXEC", 0), 0o640)
         self.active = segment
         self.active_end = 0
-        self._new_dir_entry = True
 
-    def _sync_dir(self) -> None:
-        fd = os.open(self.directory, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
 
     # -- reads ---------------------------------------------------------------------
     def read(self, ref: BodyRef) -> bytes:
@@ -237,11 +263,20 @@ class SegmentStore:
         )
 
 
-def _write_all(fd: int, buffers: list[bytes | bytearray | memoryview], position: int, total: int) -> None:
+def _sync_dir(directory: Path) -> None:
+    """Make a created or removed file's directory entry durable."""
+    fd = os.open(directory, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _write_all(fd: int, buffers: list[Buffer], position: int, total: int) -> None:
     """pwritev the buffers at ``position``; a short write (signals, a full disk) goes on where it stopped."""
     done = os.pwritev(fd, buffers, position)
     while done < total:
-        rest: list[bytes | bytearray | memoryview] = []
+        rest: list[Buffer] = []
         skip = done
         for b in buffers:
             if skip >= len(b):

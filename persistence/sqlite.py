@@ -37,10 +37,9 @@ from core.ports.store import (
     TopologyWrite,
     UserRecord,
 )
-from persistence.bodystore import BodyRef
 from persistence.policy_rows import stored_policy
 from persistence.schema import SQLITE_MIGRATIONS, apply_sqlite
-from persistence.sqlite_bodies import DEFAULT_THRESHOLD, BodyIndex
+from persistence.sqlite_bodies import DEFAULT_THRESHOLD, BodyIndex, BodyWrite
 
 T = TypeVar("T")
 
@@ -287,20 +286,21 @@ class SQLiteStore:
         bodies = self.bodies
 
         def commit(db: sqlite3.Connection) -> dict[tuple[str, str], int]:
-            # The large bodies first, fdatasynced: the transaction below references them.
-            refs = bodies.write(batch.appends) if batch.appends else []
+            # The large bodies are written and fsynced on the body store's thread meanwhile;
+            # the commit is done when both are (sqlite_bodies.py says why that order is safe).
+            write = bodies.start(batch.appends) if batch.appends else None
             try:
-                claimed = write_rows(db, refs)
+                claimed = write_rows(db, write)
             except BaseException:
-                if refs:
-                    bodies.failed()
+                if write is not None:
+                    bodies.finish(write, committed=False)
                 raise
-            if refs:
-                bodies.committed()
+            if write is not None:
+                bodies.finish(write, committed=True)
             bodies.collect(db, bool(batch.removals or batch.truncations or batch.purges or batch.topology))
             return claimed
 
-        def write_rows(db: sqlite3.Connection, refs: list[BodyRef | None]) -> dict[tuple[str, str], int]:
+        def write_rows(db: sqlite3.Connection, write: BodyWrite | None) -> dict[tuple[str, str], int]:
             with _transaction(db):
                 _apply_topology(db, batch.topology)
                 claimed = {key: _claim(db, key[0], key[1], None) for key in dict.fromkeys(batch.claims)}
@@ -317,7 +317,7 @@ class SQLiteStore:
                     raise Fenced(stale)
                 if batch.purges:
                     db.executemany("DELETE FROM messages WHERE vhost = ? AND queue = ?", batch.purges)
-                if refs:
+                if write is not None:
                     db.executemany(
                         'INSERT OR REPLACE INTO messages (vhost, queue, "offset", message_id, exchange, routing_key,'
                         " properties, body, enqueued_at, expires_at, size, delivery_count, body_segment,"
@@ -329,10 +329,10 @@ class SQLiteStore:
                             (m.vhost, m.queue, m.offset, m.message_id, m.exchange, m.routing_key, m.properties,
                              b"", m.enqueued_at, m.expires_at, r.length, m.delivery_count, r.segment, r.position,
                              r.crc)
-                            for m, r in zip(batch.appends, refs, strict=True)
+                            for m, r in zip(batch.appends, write.refs, strict=True)
                         ],
                     )
-                    bodies.account(db, refs)
+                    bodies.account(db, write)
                 elif batch.appends:
                     db.executemany(
                         'INSERT OR REPLACE INTO messages (vhost, queue, "offset", message_id, exchange, routing_key,'

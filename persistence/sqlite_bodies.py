@@ -2,13 +2,24 @@
 
 Runs on the SQLite store's one worker thread, around its transactions:
 
-- ``write`` (before the transaction): bodies at or above the threshold are
-  appended to the segment files and fdatasynced; the rows then carry
-  ``body = x''`` and the reference. The order is what makes a confirm mean
-  "on disk in both": the bytes are durable before the commit that references
-  them, and the commit (synchronous=FULL) is durable before the confirm.
-- ``committed`` / ``failed`` (after it): a failed commit cuts the segments
-  back, so no unreferenced bytes stay behind.
+- ``start`` (before the transaction): bodies at or above the threshold are
+  placed after the active segment's end, and a second thread writes and
+  fdatasyncs them while this one computes their checksums and runs the
+  transaction, whose rows carry ``body = x''`` and the reference.
+- ``finish`` (after it): waits for that write. The commit is reported done
+  (and the publishes confirmed) only when both the transaction and the
+  fdatasync are, so a confirm means "on disk, fsynced, in both". A failed
+  transaction cuts the segments back, so no unreferenced bytes stay behind.
+
+  Why running the two fsyncs side by side is as safe as body-then-row: a
+  crash may leave a committed row whose body is not (wholly) on disk, but
+  only for the last commit, whose publishes were never confirmed. Each
+  transaction records, per segment it writes, where its writes begin
+  (``synced_end``: everything before is fsynced, by an earlier commit that
+  finished), and ``recover`` verifies the checksum of every body from there
+  on, deleting the rows whose body did not make it (unconfirmed messages,
+  which a publisher must resend anyway). Measured: side by side saves the
+  smaller of the two fsyncs per commit (numbers in docs/notes/bodystore.md).
 - ``collect``: segments whose every body is gone (the delete trigger of
   migration 050 keeps the counts, whoever deletes) are dropped from
   ``body_segments`` and then unlinked; a segment whose live bytes fell under
@@ -26,7 +37,10 @@ from __future__ import annotations
 import logging
 import sqlite3
 import time
+import zlib
 from collections.abc import Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -58,6 +72,11 @@ class BodyIndex:
         self.removed_segments = 0
         self.compacted_segments = 0
         self._unreadable: set[int] = set()  # segments compaction gave up on (a corrupt body)
+        self._io = ThreadPoolExecutor(max_workers=1, thread_name_prefix="leveret-bodies")
+        # Set when an fdatasync failed after its rows committed: from then on no large body is
+        # accepted (their synced_end could no longer be trusted); a restart verifies and recovers.
+        self.broken: str | None = None
+        self.dropped_unsynced = 0  # rows recover deleted: bodies of an unconfirmed last commit
 
     # -- open ----------------------------------------------------------------------
     def recover(self, db: sqlite3.Connection) -> Recovery:
@@ -74,38 +93,88 @@ class BodyIndex:
             )
             log.error("body store: committed segment files are missing", extra={
                 "segments": report.missing, "messages_referencing_them": referenced})
+        self._verify_unsynced(db, set(report.missing))
         self._segments_known = bool(committed)
         self.collect(db)
         return report
 
+    def _verify_unsynced(self, db: sqlite3.Connection, missing: set[int]) -> None:
+        """Check the bodies the last commit wrote beside its transaction; drop the rows whose body
+        did not reach the disk (their publishes were never confirmed: the confirm waits for both)."""
+        lost: list[tuple[str, str, int]] = []
+        for segment, synced_end in db.execute(
+            "SELECT segment, synced_end FROM body_segments WHERE synced_end < end_position"
+        ).fetchall():
+            for vhost, queue, offset, position, size, crc in db.execute(
+                'SELECT vhost, queue, "offset", body_position, size, body_crc FROM messages'
+                " WHERE body_segment = ? AND body_position >= ?", (segment, synced_end),
+            ).fetchall():
+                try:
+                    self.segments.read(BodyRef(segment, position, size, crc))
+                except CorruptBody:
+                    lost.append((vhost, queue, offset))
+        db.execute("BEGIN IMMEDIATE")
+        try:
+            db.executemany('DELETE FROM messages WHERE vhost = ? AND queue = ? AND "offset" = ?', lost)
+            db.execute("UPDATE body_segments SET synced_end = end_position WHERE synced_end < end_position")
+            db.execute("COMMIT")
+        except BaseException:
+            db.execute("ROLLBACK")
+            raise
+        if lost:
+            self.dropped_unsynced += len(lost)
+            log.warning("body store: dropped unconfirmed messages whose bodies were not on disk at the crash",
+                        extra={"messages": len(lost), "first": lost[:5]})
+
     # -- the write path ----------------------------------------------------------------
-    def write(self, appends: Sequence[StoredMessage]) -> list[BodyRef | None]:
-        """Store the large bodies of ``appends`` and fsync them; the reference of each (None: body inline)."""
+    def start(self, appends: Sequence[StoredMessage]) -> BodyWrite | None:
+        """Place the large bodies of ``appends`` and start writing and fsyncing them on the I/O thread;
+        None when every body stays inline."""
         threshold = self.threshold
         large = [m.body for m in appends if len(m.body) >= threshold]
         if not large:
-            return []
-        placed = iter(self.segments.append(large))
-        self.segments.sync()
-        return [next(placed) if len(m.body) >= threshold else None for m in appends]
+            return None
+        if self.broken is not None:
+            raise StoreError(f"body store: {self.broken}; restart the node")
+        places, writes = self.segments.place(large)
+        future = self._io.submit(self.segments.write_and_sync, writes)
+        crcs = [zlib.crc32(body) for body in large]  # beside the writes: zlib lets go of the GIL
+        placed = iter(BodyRef(seg, pos, len(body), crc)
+                      for (seg, pos), body, crc in zip(places, large, crcs, strict=True))
+        refs = [next(placed) if len(m.body) >= threshold else None for m in appends]
+        return BodyWrite(refs, future, self.segments.written_from())
 
-    def account(self, db: sqlite3.Connection, refs: Sequence[BodyRef | None]) -> None:
-        """Inside the commit's transaction: each written segment's new end and live counts."""
+    def account(self, db: sqlite3.Connection, write: BodyWrite) -> None:
+        """Inside the commit's transaction: each written segment's new end, where this commit's
+        writes begin in it (synced_end) and its live counts."""
         per: dict[int, list[int]] = {}
-        for ref in refs:
+        for ref in write.refs:
             if ref is not None:
-                acc = per.setdefault(ref.segment, [0, 0, 0])
+                acc = per.setdefault(ref.segment, [0, 0, 0, write.starts.get(ref.segment, ref.position)])
                 acc[0] += 1
                 acc[1] += ref.length
                 acc[2] = max(acc[2], ref.position + ref.length)
         _add(db, per)
-        if per:
-            self._segments_known = True
+        self._segments_known = True
 
-    def committed(self) -> None:
-        self.segments.synced()
+    def finish(self, write: BodyWrite, committed: bool) -> None:
+        """After the transaction: wait for the bodies' write and fsync. Raises StoreError when they
+        failed (the commit must not be reported done); cuts the segments back when nothing committed."""
+        try:
+            write.future.result()
+        except OSError as exc:
+            if committed:
+                self.broken = f"fdatasync of the body segments failed after their rows committed: {exc}"
+                log.error("body store: " + self.broken)
+                raise StoreError(f"body store: {exc}") from exc
+            self._cut()
+            return
+        if committed:
+            self.segments.synced()
+        else:
+            self._cut()
 
-    def failed(self) -> None:
+    def _cut(self) -> None:
         try:
             self.segments.rollback()
         except OSError as exc:  # the next open cuts the tail instead
@@ -158,7 +227,7 @@ class BodyIndex:
             (live / end, seg) for seg, end, count, live in rows
             if count > 0 and seg != active and seg not in self._unreadable and end > 0 and live < COMPACT_BELOW * end
         ]
-        if sparse:
+        if sparse and self.broken is None:
             self.compact(db, min(sparse)[1])
 
     def compact(self, db: sqlite3.Connection, segment: int) -> None:
@@ -187,10 +256,10 @@ class BodyIndex:
                 )
                 per: dict[int, list[int]] = {}
                 for r in refs:
-                    acc = per.setdefault(r.segment, [0, 0, 0])
+                    acc = per.setdefault(r.segment, [0, 0, 0, 0])
                     acc[0] += 1
                     acc[1] += r.length
-                    acc[2] = max(acc[2], r.position + r.length)
+                    acc[2] = acc[3] = max(acc[2], r.position + r.length)  # synced before this commit
                 _add(db, per)
                 db.execute("DELETE FROM body_segments WHERE segment = ?", (segment,))
                 db.execute("COMMIT")
@@ -198,22 +267,35 @@ class BodyIndex:
                 db.execute("ROLLBACK")
                 raise
         except BaseException:
-            self.failed()
+            self._cut()
             raise
         self.segments.synced()
         self.segments.remove(segment)
         self.compacted_segments += 1
 
     def close(self) -> None:
+        self._io.shutdown(wait=True)
         self.segments.close()
 
 
 def _add(db: sqlite3.Connection, per: dict[int, list[int]]) -> None:
-    """body_segments += (count, bytes) per segment, and its committed end moved to ``end``."""
+    """body_segments += (count, bytes) per segment; its committed end moved to ``end``, its synced_end
+    (where the writes not known fsynced begin) set to ``synced``."""
     if per:
         db.executemany(
-            "INSERT INTO body_segments (segment, end_position, live_count, live_bytes) VALUES (?, ?, ?, ?)"
-            " ON CONFLICT (segment) DO UPDATE SET end_position = max(end_position, excluded.end_position),"
+            "INSERT INTO body_segments (segment, end_position, synced_end, live_count, live_bytes)"
+            " VALUES (?, ?, ?, ?, ?) ON CONFLICT (segment) DO UPDATE SET"
+            " end_position = max(end_position, excluded.end_position), synced_end = excluded.synced_end,"
             " live_count = live_count + excluded.live_count, live_bytes = live_bytes + excluded.live_bytes",
-            [(seg, end, count, size) for seg, (count, size, end) in per.items()],
+            [(seg, end, synced, count, size) for seg, (count, size, end, synced) in per.items()],
         )
+
+
+@dataclass
+class BodyWrite:
+    """One commit's large bodies: their references (None: inline), the write under way, and where
+    it begins in each segment it starts writing."""
+
+    refs: list[BodyRef | None]
+    future: Future[None]
+    starts: dict[int, int]

@@ -272,3 +272,30 @@ async def test_replacing_a_row_counts_the_body_it_replaces(tmp_path: Path) -> No
     db.close()
     assert [m.body for m in await store.load_messages(VHOST, QUEUE)] == [b"now small"]
     await store.close()
+
+
+async def test_open_drops_only_the_last_commit_bodies_that_missed_the_disk(tmp_path: Path) -> None:
+    """The last commit's fsync ran beside its transaction: a crash can leave its rows without their
+    bodies. Those publishes were never confirmed; open drops exactly them and keeps the rest."""
+    store, epoch = await _open(tmp_path)
+    fence = {(VHOST, QUEUE): epoch}
+    await store.commit(Batch(epochs=fence, appends=[_message(0, _body(0)), _message(1, _body(1))]))
+    await store.commit(Batch(epochs=fence, appends=[_message(2, _body(2, 1500))]))
+    await store.close()
+    # Body 2 (the last commit's) half on disk, as when the crash beat its fdatasync.
+    path = _bodies_dir(tmp_path) / segment_name(0)
+    os.truncate(path, 2 * 3 * 1024 + 700)
+    store = _store(tmp_path)
+    await store.open()
+    assert store.bodies.dropped_unsynced == 1
+    assert [m.offset for m in await store.load_messages(VHOST, QUEUE)] == [0, 1]
+    await store.close()
+    # A body before synced_end is one a confirm was given for: never dropped, reported.
+    with open(path, "r+b") as f:
+        f.write(b"?")
+    store = _store(tmp_path)
+    await store.open()
+    assert store.bodies.dropped_unsynced == 0
+    with pytest.raises(StoreError, match="message 0 of //q: checksum mismatch"):
+        await store.load_messages(VHOST, QUEUE)
+    await store.close()

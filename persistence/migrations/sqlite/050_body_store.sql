@@ -8,10 +8,13 @@ ALTER TABLE messages ADD COLUMN body_crc INTEGER;
 CREATE INDEX messages_body_segment ON messages (body_segment, body_position) WHERE body_segment IS NOT NULL;
 
 -- One row per segment file holding committed bodies: its committed end (bytes past it are
--- a torn or uncommitted write, cut on open) and what of it is still referenced.
+-- a torn or uncommitted write, cut on open), how far it is known fsynced (the bodies of the
+-- last commit, from synced_end on, are verified on open: their fsync ran beside that commit)
+-- and what of it is still referenced.
 CREATE TABLE body_segments (
     segment INTEGER PRIMARY KEY,
     end_position INTEGER NOT NULL,
+    synced_end INTEGER NOT NULL,
     live_count INTEGER NOT NULL,
     live_bytes INTEGER NOT NULL
 );
