@@ -36,6 +36,15 @@ SEGMENT_BYTES = 64 * 1024 * 1024
 _IOV_MAX = os.sysconf("SC_IOV_MAX") if hasattr(os, "sysconf") else 1024
 
 _SUFFIX = ".seg"
+_SPARE = ".free"
+
+# Emptied full-size segments kept (renamed ``<n>.free``) for the next segments to overwrite, as
+# PostgreSQL recycles its WAL files: an fdatasync after writing into blocks the file already has
+# needs no journal commit for a new size or new extents. Measured here, write+fdatasync of 4 MiB
+# went at 280-570 MiB/s appending and 800-1,100 MiB/s overwriting (3 runs each, shared disk).
+# Two spares are 128 MiB of disk; the bench's steady state (segments freed as fast as filled)
+# never creates a new file after the first two.
+MAX_SPARES = 2
 
 
 Buffer = bytes | bytearray | memoryview
@@ -88,6 +97,7 @@ class SegmentStore:
         self._dirty: dict[int, int] = {}
         self._new_dir_entry = False  # a segment was created since the last sync
         self._next = 0  # the number of the next segment created
+        self._spares: list[Path] = []  # emptied segment files to reuse
 
     # -- open and recovery ---------------------------------------------------------
     def recover(self, committed: dict[int, int]) -> Recovery:
@@ -101,7 +111,13 @@ class SegmentStore:
         self.directory.mkdir(parents=True, exist_ok=True)
         report = Recovery()
         present: set[int] = set()
-        for path in self.directory.iterdir():
+        for path in sorted(self.directory.iterdir()):
+            if path.name.endswith(_SPARE):
+                if len(self._spares) < MAX_SPARES:
+                    self._spares.append(path)
+                else:
+                    path.unlink()
+                continue
             if not path.name.endswith(_SUFFIX):
                 continue
             try:
@@ -206,10 +222,15 @@ class SegmentStore:
         self._dirty.clear()
 
     def _roll(self) -> None:
+        """A new active segment: a spare renamed (its old bytes past the committed end are never read), or
+        a new file. Either way a new directory entry, fsynced before the commit that references it."""
         segment = self._next
         self._next += 1
         path = self.directory / segment_name(segment)
-        self._fds[segment] = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | getattr(os, "O_CLOEXEC", 0), 0o640)
+        if self._spares:
+            os.rename(self._spares.pop(), path)
+        flags = os.O_RDWR | os.O_CREAT | getattr(os, "O_CLOEXEC", 0)
+        self._fds[segment] = os.open(path, flags, 0o640)
         self.active = segment
         self.active_end = 0
 
@@ -242,8 +263,14 @@ class SegmentStore:
         fd = self._fds.pop(segment, None)
         if fd is not None:
             os.close(fd)
+        path = self.directory / segment_name(segment)
         try:
-            (self.directory / segment_name(segment)).unlink()
+            if len(self._spares) < MAX_SPARES and path.stat().st_size >= self.segment_bytes:
+                spare = self.directory / f"{segment:016x}{_SPARE}"
+                os.rename(path, spare)
+                self._spares.append(spare)
+            else:
+                path.unlink()
         except FileNotFoundError:
             pass
 
@@ -256,6 +283,9 @@ class SegmentStore:
             os.close(fd)
         self._fds.clear()
         self.active = None
+
+    def spares(self) -> list[Path]:
+        return list(self._spares)
 
     def segments_on_disk(self) -> list[int]:
         return sorted(

@@ -15,7 +15,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from core.ports.store import Batch, Fenced, StoredMessage, StoreError
-from persistence.bodystore import BodyRef, CorruptBody, SegmentStore, segment_name
+from persistence.bodystore import MAX_SPARES, BodyRef, CorruptBody, SegmentStore, segment_name
 from persistence.sqlite import SQLiteStore
 
 VHOST = "/"
@@ -72,6 +72,34 @@ def test_recover_removes_orphans_and_cuts_torn_tails(tmp_path: Path) -> None:
     assert seg.read(refs[0]) == b"x" * 600
     # New appends go to a fresh segment, numbered after every one seen.
     assert seg.append([b"n"])[0].segment == 2
+
+
+def test_emptied_segments_are_recycled_up_to_a_limit(tmp_path: Path) -> None:
+    seg = SegmentStore(tmp_path, segment_bytes=1000)
+    seg.recover({})
+    refs = seg.append([b"a" * 1000, b"b" * 1000, b"c" * 1000, b"d" * 10])
+    seg.sync()
+    seg.synced()
+    inodes = {r.segment: (tmp_path / segment_name(r.segment)).stat().st_ino for r in refs}
+    for s in (0, 1, 2):
+        seg.remove(s)
+    assert len(seg.spares()) == MAX_SPARES == 2  # the third was unlinked
+    assert seg.segments_on_disk() == [3]
+    # The next segments overwrite the spares' blocks: same inodes, old bytes never read.
+    seg.seal()
+    again = seg.append([b"e" * 1000, b"f" * 5])
+    assert [r.segment for r in again] == [4, 5]
+    assert (tmp_path / segment_name(4)).stat().st_ino in {inodes[0], inodes[1]}
+    assert seg.read(again[1]) == b"f" * 5 and not seg.spares()
+    seg.close()
+    # A restart keeps spares it finds (up to the limit) and never mistakes them for segments.
+    (tmp_path / "00000000000000aa.free").write_bytes(b"x")
+    (tmp_path / "00000000000000ab.free").write_bytes(b"x")
+    (tmp_path / "00000000000000ac.free").write_bytes(b"x")
+    seg = SegmentStore(tmp_path, segment_bytes=1000)
+    report = seg.recover({3: 10, 4: 1000, 5: 5})
+    assert report.removed == [] and len(seg.spares()) == 2
+    assert len(list(tmp_path.glob("*.free"))) == 2
 
 
 def test_recover_reports_committed_segments_that_are_missing(tmp_path: Path) -> None:
