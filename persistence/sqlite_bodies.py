@@ -20,9 +20,9 @@ Runs on the SQLite store's one worker thread, around its transactions:
   on, deleting the rows whose body did not make it (unconfirmed messages,
   which a publisher must resend anyway). Measured: side by side saves the
   smaller of the two fsyncs per commit (numbers in docs/notes/bodystore.md).
-- ``collect``: segments whose every body is gone (the delete trigger of
-  migration 050 keeps the counts, whoever deletes) are dropped from
-  ``body_segments`` and then unlinked; a segment whose live bytes fell under
+- ``collect``: segments whose every body is gone (counted from the rows
+  themselves, whoever deleted them: acks, purges, the retention jobs) are
+  dropped from ``body_segments`` and then unlinked; a segment whose live bytes fell under
   COMPACT_BELOW of its size has its live bodies copied to the active segment,
   its references moved in one transaction, and then is unlinked.
 - ``recover`` (on open): the files are made to match ``body_segments``.
@@ -61,6 +61,11 @@ COMPACT_BELOW = 0.5
 # Rows deleted by another connection (the retention jobs) are noticed this often.
 COLLECT_EVERY = 10.0
 
+# The count of what each segment holds is an index scan of the referenced rows: after a commit
+# that deleted some, but spending at most about 1/COLLECT_DUTY of the store thread on it (a
+# store holding a million referenced rows scans for ~0.2 s; the bench's ~100 for ~0.1 ms).
+COLLECT_DUTY = 20
+
 
 class BodyIndex:
     def __init__(self, directory: str | Path, threshold: int = DEFAULT_THRESHOLD,
@@ -69,6 +74,8 @@ class BodyIndex:
         self.segments = SegmentStore(directory) if segment_bytes is None else SegmentStore(directory, segment_bytes)
         self._segments_known = False  # body_segments has rows: deletions may free a segment
         self._last_collect = 0.0
+        self._next_collect = 0.0  # the duty-cycle bound: no scan before this
+        self._deleted = False  # rows were deleted since the last scan
         self.removed_segments = 0
         self.compacted_segments = 0
         self._unreadable: set[int] = set()  # segments compaction gave up on (a corrupt body)
@@ -80,7 +87,6 @@ class BodyIndex:
 
     # -- open ----------------------------------------------------------------------
     def recover(self, db: sqlite3.Connection) -> Recovery:
-        db.execute("PRAGMA recursive_triggers=ON")  # INSERT OR REPLACE counts the row it replaces
         committed = dict(db.execute("SELECT segment, end_position FROM body_segments").fetchall())
         report = self.segments.recover(committed)
         if report.removed or report.truncated:
@@ -145,16 +151,13 @@ class BodyIndex:
         return BodyWrite(refs, future, self.segments.written_from())
 
     def account(self, db: sqlite3.Connection, write: BodyWrite) -> None:
-        """Inside the commit's transaction: each written segment's new end, where this commit's
-        writes begin in it (synced_end) and its live counts."""
-        per: dict[int, list[int]] = {}
+        """Inside the commit's transaction: each written segment's new end, and where this commit's
+        writes begin in it (synced_end)."""
+        ends: dict[int, int] = {}
         for ref in write.refs:
             if ref is not None:
-                acc = per.setdefault(ref.segment, [0, 0, 0, write.starts.get(ref.segment, ref.position)])
-                acc[0] += 1
-                acc[1] += ref.length
-                acc[2] = max(acc[2], ref.position + ref.length)
-        _add(db, per)
+                ends[ref.segment] = max(ends.get(ref.segment, 0), ref.position + ref.length)
+        _add(db, {seg: (end, write.starts.get(seg, 0)) for seg, end in ends.items()})
         self._segments_known = True
 
     def finish(self, write: BodyWrite, committed: bool) -> None:
@@ -201,17 +204,26 @@ class BodyIndex:
 
     # -- removal and compaction -------------------------------------------------------------
     def collect(self, db: sqlite3.Connection, deleted: bool = True) -> None:
-        """Drop emptied segments and compact at most one sparse one (after a commit that deleted rows)."""
+        """Drop emptied segments and compact at most one sparse one; after a commit (``deleted``: it
+        deleted rows), within the duty-cycle bound, and every COLLECT_EVERY seconds in any case."""
         now = time.monotonic()
-        if not deleted and now - self._last_collect < COLLECT_EVERY:
+        self._deleted = self._deleted or deleted
+        if now - self._last_collect < COLLECT_EVERY and (
+            not self._segments_known or not self._deleted or now < self._next_collect
+        ):
             return
-        if not self._segments_known and now - self._last_collect < COLLECT_EVERY:
-            return
-        self._last_collect = now
-        rows = db.execute("SELECT segment, end_position, live_count, live_bytes FROM body_segments").fetchall()
+        rows = db.execute("SELECT segment, end_position FROM body_segments").fetchall()
+        live = {seg: (count, size) for seg, count, size in db.execute(
+            "SELECT body_segment, count(*), sum(size) FROM messages WHERE body_segment IS NOT NULL"
+            " GROUP BY body_segment"
+        )}
+        finished = time.monotonic()
+        self._last_collect = finished
+        self._next_collect = finished + COLLECT_DUTY * (finished - now)
+        self._deleted = False
         self._segments_known = bool(rows)
         active = self.segments.active
-        empty = [seg for seg, _end, count, _live in rows if count <= 0 and seg != active]
+        empty = [seg for seg, _end in rows if seg not in live and seg != active]
         if empty:
             db.execute("BEGIN IMMEDIATE")
             try:
@@ -224,8 +236,8 @@ class BodyIndex:
                 self.segments.remove(seg)
             self.removed_segments += len(empty)
         sparse = [
-            (live / end, seg) for seg, end, count, live in rows
-            if count > 0 and seg != active and seg not in self._unreadable and end > 0 and live < COMPACT_BELOW * end
+            (live[seg][1] / end, seg) for seg, end in rows
+            if seg in live and seg != active and seg not in self._unreadable and live[seg][1] < COMPACT_BELOW * end
         ]
         if sparse and self.broken is None:
             self.compact(db, min(sparse)[1])
@@ -254,13 +266,10 @@ class BodyIndex:
                     [(r.segment, r.position, v, q, o, segment)
                      for r, (v, q, o, *_rest) in zip(refs, rows, strict=True)],
                 )
-                per: dict[int, list[int]] = {}
+                ends: dict[int, int] = {}
                 for r in refs:
-                    acc = per.setdefault(r.segment, [0, 0, 0, 0])
-                    acc[0] += 1
-                    acc[1] += r.length
-                    acc[2] = acc[3] = max(acc[2], r.position + r.length)  # synced before this commit
-                _add(db, per)
+                    ends[r.segment] = max(ends.get(r.segment, 0), r.position + r.length)
+                _add(db, {seg: (end, end) for seg, end in ends.items()})  # synced before this commit
                 db.execute("DELETE FROM body_segments WHERE segment = ?", (segment,))
                 db.execute("COMMIT")
             except BaseException:
@@ -278,16 +287,15 @@ class BodyIndex:
         self.segments.close()
 
 
-def _add(db: sqlite3.Connection, per: dict[int, list[int]]) -> None:
-    """body_segments += (count, bytes) per segment; its committed end moved to ``end``, its synced_end
-    (where the writes not known fsynced begin) set to ``synced``."""
-    if per:
+def _add(db: sqlite3.Connection, ends: dict[int, tuple[int, int]]) -> None:
+    """Per segment (end, synced): its committed end moves to ``end`` and its synced_end (where the
+    writes not known fsynced begin) to ``synced``."""
+    if ends:
         db.executemany(
-            "INSERT INTO body_segments (segment, end_position, synced_end, live_count, live_bytes)"
-            " VALUES (?, ?, ?, ?, ?) ON CONFLICT (segment) DO UPDATE SET"
-            " end_position = max(end_position, excluded.end_position), synced_end = excluded.synced_end,"
-            " live_count = live_count + excluded.live_count, live_bytes = live_bytes + excluded.live_bytes",
-            [(seg, end, synced, count, size) for seg, (count, size, end, synced) in per.items()],
+            "INSERT INTO body_segments (segment, end_position, synced_end) VALUES (?, ?, ?)"
+            " ON CONFLICT (segment) DO UPDATE SET end_position = max(end_position, excluded.end_position),"
+            " synced_end = excluded.synced_end",
+            [(seg, end, synced) for seg, (end, synced) in ends.items()],
         )
 
 
