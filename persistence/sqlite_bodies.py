@@ -53,18 +53,23 @@ log = logging.getLogger("leveret.store")
 # (docs/notes/bodystore.md, "Threshold"): see the note for the figures behind it.
 DEFAULT_THRESHOLD = 64 * 1024
 
-# A sealed segment whose live bytes fall under this fraction of its size is compacted:
+# A sealed segment whose live bytes fall under this fraction of its size is compacted, once
+# no body of it went for COMPACT_AFTER seconds: a queue draining in order empties its segments
+# by itself, and copying bodies about to be consumed is wasted work (a first version did).
 # at 0.5 a copy moves at most half a segment (32 MiB, ~0.1 s at this disk's 290 MiB/s
 # of write+fdatasync) and the disk holds at most about twice the live bytes.
 COMPACT_BELOW = 0.5
+COMPACT_AFTER = 5.0
 
 # Rows deleted by another connection (the retention jobs) are noticed this often.
 COLLECT_EVERY = 10.0
 
-# The count of what each segment holds is an index scan of the referenced rows: after a commit
-# that deleted some, but spending at most about 1/COLLECT_DUTY of the store thread on it (a
-# store holding a million referenced rows scans for ~0.2 s; the bench's ~100 for ~0.1 ms).
+# The count of what each segment holds is an index scan of the referenced rows: after every
+# commit that deleted some while a scan takes under COLLECT_FREE seconds (the bench's ~100
+# referenced rows: ~0.1 ms), else spending at most about 1/COLLECT_DUTY of the store thread
+# on it (a store holding a million referenced rows scans for ~0.2 s).
 COLLECT_DUTY = 20
+COLLECT_FREE = 0.001
 
 
 class BodyIndex:
@@ -76,6 +81,8 @@ class BodyIndex:
         self._last_collect = 0.0
         self._next_collect = 0.0  # the duty-cycle bound: no scan before this
         self._deleted = False  # rows were deleted since the last scan
+        self._seen: dict[int, tuple[int, float]] = {}  # segment -> (live count at the last scan, since when)
+        self._last_append = 0.0
         self.removed_segments = 0
         self.compacted_segments = 0
         self._unreadable: set[int] = set()  # segments compaction gave up on (a corrupt body)
@@ -142,6 +149,7 @@ class BodyIndex:
             return None
         if self.broken is not None:
             raise StoreError(f"body store: {self.broken}; restart the node")
+        self._last_append = time.monotonic()
         places, writes = self.segments.place(large)
         future = self._io.submit(self.segments.write_and_sync, writes)
         crcs = [zlib.crc32(body) for body in large]  # beside the writes: zlib lets go of the GIL
@@ -219,10 +227,16 @@ class BodyIndex:
         )}
         finished = time.monotonic()
         self._last_collect = finished
-        self._next_collect = finished + COLLECT_DUTY * (finished - now)
+        self._next_collect = finished + COLLECT_DUTY * max(0.0, finished - now - COLLECT_FREE)
         self._deleted = False
         self._segments_known = bool(rows)
         active = self.segments.active
+        if active is not None and active not in live and finished - self._last_append > COLLECT_EVERY:
+            self.segments.seal()  # idle, and all it holds is gone: no file waits for the next write
+            active = None
+        seen = self._seen
+        self._seen = {seg: (count, seen[seg][1] if seg in seen and seen[seg][0] == count else finished)
+                      for seg, (count, _size) in live.items()}
         empty = [seg for seg, _end in rows if seg not in live and seg != active]
         if empty:
             db.execute("BEGIN IMMEDIATE")
@@ -238,6 +252,7 @@ class BodyIndex:
         sparse = [
             (live[seg][1] / end, seg) for seg, end in rows
             if seg in live and seg != active and seg not in self._unreadable and live[seg][1] < COMPACT_BELOW * end
+            and finished - self._seen[seg][1] >= COMPACT_AFTER
         ]
         if sparse and self.broken is None:
             self.compact(db, min(sparse)[1])

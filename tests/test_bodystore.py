@@ -16,6 +16,7 @@ from hypothesis import strategies as st
 
 from core.ports.store import Batch, Fenced, StoredMessage, StoreError
 from persistence.bodystore import MAX_SPARES, BodyRef, CorruptBody, SegmentStore, segment_name
+from persistence import sqlite_bodies
 from persistence.sqlite import SQLiteStore
 
 VHOST = "/"
@@ -197,7 +198,9 @@ async def test_large_bodies_go_to_segments_and_every_reader_gets_them_whole(tmp_
     await store.close()
 
 
-async def test_acked_segments_are_removed_and_sparse_ones_compacted(tmp_path: Path) -> None:
+async def test_acked_segments_are_removed_and_sparse_ones_compacted(tmp_path: Path,
+                                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(sqlite_bodies, "COMPACT_AFTER", 0.0)  # compact as soon as a segment is sparse
     store, epoch = await _open(tmp_path)
     fence = {(VHOST, QUEUE): epoch}
     await store.commit(Batch(epochs=fence, appends=[_message(i, _body(i)) for i in range(9)]))
@@ -216,6 +219,24 @@ async def test_acked_segments_are_removed_and_sparse_ones_compacted(tmp_path: Pa
     store, epoch = await _open(tmp_path)
     assert [m.body for m in await store.load_range(VHOST, QUEUE, 0, None, 10)] == [_body(o) for o in (5, 6, 7, 8)]
     await store.commit(Batch(epochs={(VHOST, QUEUE): epoch}, purges=[(VHOST, QUEUE)]))
+    assert store.bodies.segments.segments_on_disk() == []
+    await store.close()
+
+
+async def test_a_segment_still_draining_is_not_compacted_and_an_idle_empty_active_one_goes(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    store, epoch = await _open(tmp_path)
+    fence = {(VHOST, QUEUE): epoch}
+    await store.commit(Batch(epochs=fence, appends=[_message(i, _body(i)) for i in range(6)]))
+    await store.commit(Batch(epochs=fence, removals=[(VHOST, QUEUE, o) for o in (0, 1)]))
+    # Segment 0 holds 3 of 9 KiB, but it lost a body just now: a consumer is draining it.
+    assert store.bodies.compacted_segments == 0 and 0 in store.bodies.segments.segments_on_disk()
+    await store.commit(Batch(epochs=fence, removals=[(VHOST, QUEUE, o) for o in (2, 3, 4, 5)]))
+    assert store.bodies.segments.segments_on_disk() == [1]  # drained: removed, nothing copied
+    assert store.bodies.compacted_segments == 0
+    # The active segment, empty, goes once no large body came for COLLECT_EVERY.
+    monkeypatch.setattr(sqlite_bodies, "COLLECT_EVERY", 0.0)
+    await store.commit(Batch(epochs=fence, appends=[_message(9, b"small")], removals=[(VHOST, QUEUE, 9)]))
     assert store.bodies.segments.segments_on_disk() == []
     await store.close()
 
