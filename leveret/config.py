@@ -30,7 +30,7 @@ class NodeConfig:
     stream_memory_bytes: int = 64 * 1024 * 1024
     queue_memory_bytes: int = 64 * 1024 * 1024
     queue_memory_node_bytes: int = 1024 * 1024 * 1024
-    body_store_threshold: int = 64 * 1024  # persistence/sqlite_bodies.py DEFAULT_THRESHOLD
+    body_store_threshold: int = 32 * 1024  # persistence/sqlite_bodies.py DEFAULT_THRESHOLD
     default_user: str = "guest"
     default_pass: str = "guest"
     etcd: str = ""

@@ -49,9 +49,13 @@ from persistence.bodystore import BodyRef, CorruptBody, Recovery, SegmentStore
 
 log = logging.getLogger("leveret.store")
 
-# Bodies of at least this many bytes go to segment files. Measured on this machine
-# (docs/notes/bodystore.md, "Threshold"): see the note for the figures behind it.
-DEFAULT_THRESHOLD = 64 * 1024
+# Bodies of at least this many bytes go to segment files. Measured here (store alone, steady
+# append+remove commits, docs/notes/bodystore.md "Threshold"): in busy commits segments win from
+# 16 KiB on (16 KiB x64: 3.1-6.4x, 32 KiB x32: 2.6x, 64 KiB x16: 4.2-6.2x) and tie at 4 KiB;
+# in lone one-message commits (a publisher waiting for each confirm) the second fsync costs
+# more than the write saves below 32 KiB (16 KiB: 0.37-0.54x; 32 KiB: 0.61-1.44x, 64 KiB:
+# 0.81-1.70x, noise of a shared disk). 32 KiB: never clearly worse, 2.6x when busy.
+DEFAULT_THRESHOLD = 32 * 1024
 
 # A sealed segment whose live bytes fall under this fraction of its size is compacted, once
 # no body of it went for COMPACT_AFTER seconds: a queue draining in order empties its segments
