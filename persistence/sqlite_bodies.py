@@ -34,7 +34,9 @@ docs/notes/bodystore.md walks through each step.
 
 from __future__ import annotations
 
+import fcntl
 import logging
+import os
 import sqlite3
 import time
 import zlib
@@ -95,9 +97,29 @@ class BodyIndex:
         # accepted (their synced_end could no longer be trusted); a restart verifies and recovers.
         self.broken: str | None = None
         self.dropped_unsynced = 0  # rows recover deleted: bodies of an unconfirmed last commit
+        self.owner = False  # holds bodies/LOCK: recovers, writes and removes (see recover)
+        self._lock_fd: int | None = None
 
     # -- open ----------------------------------------------------------------------
     def recover(self, db: sqlite3.Connection) -> Recovery:
+        """Take the body store for this process (its lock) and make the files match the committed rows.
+
+        Another process may open the same SQLite file while the node runs (``leveret users``,
+        ``leveret policies``): it must not take what the node wrote but has not committed yet for
+        an orphan. So only the holder of ``bodies/LOCK`` recovers, writes large bodies and
+        removes segments; any other opener only reads bodies (the lock goes with the process,
+        kill -9 included).
+        """
+        self.segments.directory.mkdir(parents=True, exist_ok=True)
+        self._lock_fd = os.open(self.segments.directory / "LOCK", os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o640)
+        try:
+            fcntl.flock(self._lock_fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            self.owner = False
+            log.info("body store: held by another process (a running node); reading bodies only",
+                     extra={"directory": str(self.segments.directory)})
+            return Recovery()
+        self.owner = True
         committed = dict(db.execute("SELECT segment, end_position FROM body_segments").fetchall())
         report = self.segments.recover(committed)
         if report.removed or report.truncated:
@@ -153,6 +175,8 @@ class BodyIndex:
             return None
         if self.broken is not None:
             raise StoreError(f"body store: {self.broken}; restart the node")
+        if not self.owner:
+            raise StoreError("body store: held by a running node; only it writes large bodies")
         self._last_append = time.monotonic()
         places, writes = self.segments.place(large)
         future = self._io.submit(self.segments.write_and_sync, writes)
@@ -218,6 +242,8 @@ class BodyIndex:
     def collect(self, db: sqlite3.Connection, deleted: bool = True) -> None:
         """Drop emptied segments and compact at most one sparse one; after a commit (``deleted``: it
         deleted rows), within the duty-cycle bound, and every COLLECT_EVERY seconds in any case."""
+        if not self.owner:
+            return
         now = time.monotonic()
         self._deleted = self._deleted or deleted
         if now - self._last_collect < COLLECT_EVERY and (
@@ -304,6 +330,9 @@ class BodyIndex:
     def close(self) -> None:
         self._io.shutdown(wait=True)
         self.segments.close()
+        if self._lock_fd is not None:
+            os.close(self._lock_fd)  # releases the lock
+            self._lock_fd = None
 
 
 def _add(db: sqlite3.Connection, ends: dict[int, tuple[int, int]]) -> None:

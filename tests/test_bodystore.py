@@ -15,8 +15,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from core.ports.store import Batch, Fenced, StoredMessage, StoreError
-from persistence.bodystore import MAX_SPARES, BodyRef, CorruptBody, SegmentStore, segment_name
 from persistence import sqlite_bodies
+from persistence.bodystore import MAX_SPARES, BodyRef, CorruptBody, SegmentStore, segment_name
 from persistence.sqlite import SQLiteStore
 
 VHOST = "/"
@@ -345,3 +345,28 @@ async def test_open_drops_only_the_last_commit_bodies_that_missed_the_disk(tmp_p
     with pytest.raises(StoreError, match="message 0 of //q: checksum mismatch"):
         await store.load_messages(VHOST, QUEUE)
     await store.close()
+
+
+async def test_a_second_opener_reads_bodies_and_never_recovers_or_writes_them(tmp_path: Path) -> None:
+    """``leveret users`` may open the store of a running node: the node's uncommitted bytes stay."""
+    node, epoch = await _open(tmp_path)
+    await node.commit(Batch(epochs={(VHOST, QUEUE): epoch}, appends=[_message(0, _body(0))]))
+    # Bytes the node wrote and has not committed yet (as between its fsync and its commit).
+    with open(_bodies_dir(tmp_path) / segment_name(0), "ab") as f:
+        f.write(b"in flight" * 100)
+    size = (_bodies_dir(tmp_path) / segment_name(0)).stat().st_size
+    other = _store(tmp_path)
+    await other.open()
+    assert not other.bodies.owner and node.bodies.owner
+    assert (_bodies_dir(tmp_path) / segment_name(0)).stat().st_size == size
+    assert [m.body for m in await other.load_messages(VHOST, QUEUE)] == [_body(0)]
+    with pytest.raises(StoreError, match="held by a running node"):
+        await other.commit(Batch(appends=[_message(5, _body(5))]))
+    await other.close()
+    await node.close()
+    # The node gone, the next opener owns the store and cuts the uncommitted tail.
+    again = _store(tmp_path)
+    await again.open()
+    assert again.bodies.owner
+    assert (_bodies_dir(tmp_path) / segment_name(0)).stat().st_size == 3 * 1024
+    await again.close()
