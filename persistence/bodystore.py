@@ -98,6 +98,7 @@ class SegmentStore:
         self._new_dir_entry = False  # a segment was created since the last sync
         self._next = 0  # the number of the next segment created
         self._spares: list[Path] = []  # emptied segment files to reuse
+        self.rolls = 0  # segments started: the one before may be empty already (collect looks)
 
     # -- open and recovery ---------------------------------------------------------
     def recover(self, committed: dict[int, int]) -> Recovery:
@@ -226,6 +227,7 @@ class SegmentStore:
         a new file. Either way a new directory entry, fsynced before the commit that references it."""
         segment = self._next
         self._next += 1
+        self.rolls += 1
         path = self.directory / segment_name(segment)
         if self._spares:
             os.rename(self._spares.pop(), path)
@@ -279,6 +281,10 @@ class SegmentStore:
         self.active = None
 
     def close(self) -> None:
+        if self.active is not None and not self._dirty:
+            # A recycled active segment holds stale bytes past its end: cut them now, so that
+            # the next open finds nothing to recover after a clean stop.
+            os.ftruncate(self._fds[self.active], self.active_end)
         for fd in self._fds.values():
             os.close(fd)
         self._fds.clear()

@@ -89,6 +89,7 @@ class BodyIndex:
         self._deleted = False  # rows were deleted since the last scan
         self._seen: dict[int, tuple[int, float]] = {}  # segment -> (live count at the last scan, since when)
         self._last_append = 0.0
+        self._rolls_seen = 0
         self.removed_segments = 0
         self.compacted_segments = 0
         self._unreadable: set[int] = set()  # segments compaction gave up on (a corrupt body)
@@ -245,7 +246,9 @@ class BodyIndex:
         if not self.owner:
             return
         now = time.monotonic()
-        self._deleted = self._deleted or deleted
+        # A segment just sealed may hold nothing live any more (its bodies went while it was active).
+        self._deleted = self._deleted or deleted or self.segments.rolls != self._rolls_seen
+        self._rolls_seen = self.segments.rolls
         if now - self._last_collect < COLLECT_EVERY and (
             not self._segments_known or not self._deleted or now < self._next_collect
         ):

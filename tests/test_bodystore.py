@@ -11,7 +11,7 @@ import sqlite3
 from pathlib import Path
 
 import pytest
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 from core.ports.store import Batch, Fenced, StoredMessage, StoreError
@@ -370,3 +370,61 @@ async def test_a_second_opener_reads_bodies_and_never_recovers_or_writes_them(tm
     assert again.bodies.owner
     assert (_bodies_dir(tmp_path) / segment_name(0)).stat().st_size == 3 * 1024
     await again.close()
+
+
+_OPS = st.lists(
+    st.one_of(
+        st.tuples(st.just("append"), st.lists(st.sampled_from([0, 700, 1024, 3000, 5000]), min_size=1, max_size=6)),
+        st.tuples(st.just("remove"), st.lists(st.integers(min_value=0, max_value=30), min_size=1, max_size=6)),
+        st.tuples(st.just("purge"), st.just([])),
+        st.tuples(st.just("reopen"), st.just([])),
+    ),
+    max_size=14,
+)
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(ops=_OPS)
+@example(ops=[("append", [3000] * 9), ("remove", [0, 1, 3, 4]), ("reopen", []), ("remove", [2, 5, 6]),
+              ("append", [5000, 700]), ("purge", []), ("reopen", [])])  # compaction, then removal
+async def test_any_appends_removals_purges_and_restarts_keep_every_body_and_no_dead_segment(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, ops: list[tuple[str, list[int]]]) -> None:
+    """Against a model: readers give back exactly the live messages, and once collected, every
+    segment on disk but the active one holds a live body."""
+    monkeypatch.setattr(sqlite_bodies, "COMPACT_AFTER", 0.0)
+    directory = tmp_path / os.urandom(6).hex()
+    store, epoch = await _open(directory)
+    model: dict[int, bytes] = {}
+    offset = 0
+    try:
+        for op, args in ops:
+            fence = {(VHOST, QUEUE): epoch}
+            if op == "append":
+                appends = []
+                for size in args:
+                    model[offset] = _body(offset, size)
+                    appends.append(_message(offset, model[offset]))
+                    offset += 1
+                await store.commit(Batch(epochs=fence, appends=appends))
+            elif op == "remove":
+                gone = sorted({o for o in args if o in model})
+                for o in gone:
+                    del model[o]
+                await store.commit(Batch(epochs=fence, removals=[(VHOST, QUEUE, o) for o in gone]))
+            elif op == "purge":
+                model.clear()
+                await store.commit(Batch(epochs=fence, purges=[(VHOST, QUEUE)]))
+            else:
+                await store.close()
+                store, epoch = await _open(directory)
+            got = await store.load_range(VHOST, QUEUE, 0, None, 1000)
+            assert [(m.offset, m.body) for m in got] == sorted(model.items())
+            db = sqlite3.connect(store.path)
+            live = {seg for (seg,) in db.execute("SELECT DISTINCT body_segment FROM messages WHERE body_segment"
+                                                 " IS NOT NULL")}
+            db.close()
+            on_disk = set(store.bodies.segments.segments_on_disk())
+            assert live <= on_disk, "a referenced segment is gone"
+            assert on_disk - live <= {store.bodies.segments.active}, "a segment holds only dead bodies"
+    finally:
+        await store.close()
