@@ -398,13 +398,15 @@ class ConfirmingPublisher:
         payload = _PUBLISH_METHOD.pack(60, 40, 0) + _shortstr(exchange) + _shortstr(routing_key) + b"\x00"
         props = bytes([delivery_mode])
         header = _CONTENT_HEADER.pack(60, 0, len(body), _DELIVERY_MODE_FLAG) + props
-        assert len(body) <= self.frame_max - 8
         ch = self.channel
         self._out.append(
             _METHOD_HEAD.pack(1, ch, len(payload)) + payload + _FRAME_END
             + _METHOD_HEAD.pack(2, ch, len(header)) + header + _FRAME_END
-            + _METHOD_HEAD.pack(3, ch, len(body)) + body + _FRAME_END
         )  # fmt: skip
+        step = self.frame_max - 8  # bodies larger than a frame go in several body frames
+        for at in range(0, len(body), step):
+            chunk = body[at:at + step]
+            self._out.append(_METHOD_HEAD.pack(3, ch, len(chunk)) + chunk + _FRAME_END)
         self.status.append(None)
         return self.published
 

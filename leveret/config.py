@@ -30,6 +30,7 @@ class NodeConfig:
     stream_memory_bytes: int = 64 * 1024 * 1024
     queue_memory_bytes: int = 64 * 1024 * 1024
     queue_memory_node_bytes: int = 1024 * 1024 * 1024
+    body_store_threshold: int = 32 * 1024  # persistence/sqlite_bodies.py DEFAULT_THRESHOLD
     default_user: str = "guest"
     default_pass: str = "guest"
     etcd: str = ""
@@ -99,6 +100,9 @@ HELP = {
     "segment files under --data-dir and are read back in pages ahead of consumers (docs/notes/paging.md)",
     "queue_memory_node_bytes": "bytes of ready message bodies all classic queues of the node keep in memory "
     "together; past it the largest queues page out (0: no node-wide cap)",
+    "body_store_threshold": "with the embedded store, bodies of at least this many bytes are kept in append-only "
+    "segment files under --data-dir/bodies and SQLite holds a reference (docs/notes/bodystore.md); 0 keeps every "
+    "body in SQLite",
     "default_user": "user created at start, allowed from loopback only (as RabbitMQ's guest)",
     "default_pass": "password of the default user",
     "etcd": "comma-separated etcd endpoints (http://host:port); turns on cluster mode (needs --store postgres)",
@@ -239,3 +243,5 @@ def validate(cfg: NodeConfig) -> None:
             raise ConfigError(f"--advertise-cluster-remote must be HOST:PORT, got {cfg.advertise_cluster_remote!r}")
     if cfg.lease_ttl < 1:
         raise ConfigError(f"--lease-ttl must be at least 1 second, got {cfg.lease_ttl}")
+    if cfg.body_store_threshold < 0:
+        raise ConfigError(f"--body-store-threshold must be 0 (off) or a size in bytes, got {cfg.body_store_threshold}")

@@ -433,7 +433,8 @@ def make_store(cfg: NodeConfig) -> MessageStore:
     if cfg.store == "sqlite":
         from persistence.sqlite import SQLiteStore
 
-        return SQLiteStore(str(Path(cfg.data_dir) / "leveret.sqlite3"))
+        threshold = cfg.body_store_threshold if cfg.body_store_threshold > 0 else 2**63 - 1
+        return SQLiteStore(str(Path(cfg.data_dir) / "leveret.sqlite3"), body_threshold=threshold)
     if cfg.store == "postgres":
         if not cfg.postgres_dsn:
             raise StoreError("--store postgres needs --postgres-dsn (or LEVERET_POSTGRES_DSN)")

@@ -4,6 +4,10 @@ SQLite calls block, so every call runs on a single worker thread (SQLite
 allows one writer anyway) and the event loop only awaits it. Each commit is
 fsynced (synchronous=FULL); the group committer makes one commit carry many
 publishes, which is what makes that affordable.
+
+Bodies at or above a threshold are kept out of SQLite, in append-only segment
+files beside it (persistence/sqlite_bodies.py, docs/notes/bodystore.md): the
+rows keep a reference, and every read here gives back whole bodies.
 """
 
 from __future__ import annotations
@@ -35,19 +39,34 @@ from core.ports.store import (
 )
 from persistence.policy_rows import stored_policy
 from persistence.schema import SQLITE_MIGRATIONS, apply_sqlite
+from persistence.sqlite_bodies import DEFAULT_THRESHOLD, BodyIndex, BodyWrite
 
 T = TypeVar("T")
+
+# A body store threshold at most this keeps SQLite's rows small enough for 4 KiB pages.
+SMALL_PAGES_BELOW = 64 * 1024
 
 
 def arguments_key(encoded: bytes) -> str:
     return hashlib.sha1(encoded).hexdigest()
 
 
+# The message columns every reader selects: the row's fields, then the body's reference
+# (segment, position, length, crc; segment NULL for a body kept inline).
+_MESSAGE_COLUMNS = (
+    '"offset", message_id, exchange, routing_key, properties, body, enqueued_at, expires_at, delivery_count,'
+    " body_segment, body_position, size, body_crc"
+)
+
+
 class SQLiteStore:
-    def __init__(self, path: str) -> None:
+    def __init__(self, path: str, body_threshold: int = DEFAULT_THRESHOLD,
+                 body_segment_bytes: int | None = None) -> None:
+        """``body_threshold``: bodies of at least this many bytes go to segment files in ``<dir>/bodies``."""
         self.path = path
         self.description = f"sqlite {path}"
         self._db: sqlite3.Connection | None = None
+        self.bodies = BodyIndex(Path(path).parent / "bodies", body_threshold, body_segment_bytes)
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="leveret-sqlite")
         self._lock = threading.Lock()
 
@@ -58,7 +77,7 @@ class SQLiteStore:
                 raise StoreError(f"{self.description}: store is not open")
             try:
                 return fn(db)
-            except sqlite3.Error as exc:
+            except (sqlite3.Error, OSError) as exc:  # OSError: the body segments (a full disk)
                 if db.in_transaction:
                     db.rollback()
                 raise StoreError(f"{self.description}: {exc}") from exc
@@ -70,13 +89,18 @@ class SQLiteStore:
             try:
                 Path(self.path).parent.mkdir(parents=True, exist_ok=True)
                 db = sqlite3.connect(self.path, isolation_level=None, check_same_thread=False)
-                # 64 KiB pages (effective for a new file only): a 1 MiB body is 16
-                # overflow pages instead of 256. Measured here, commits of 16 x 1 MiB
-                # went from 79 to 276 msg/s; lone 256 B commits stayed ~1.3-1.6k/s.
-                db.execute("PRAGMA page_size=65536")
+                # The page size counts for a new file only. With large bodies in SQLite
+                # (no body store), 64 KiB pages: a 1 MiB body is 16 overflow pages instead
+                # of 256 (commits of 16 x 1 MiB went from 79 to 276 msg/s). With bodies of
+                # 32 KiB and more in segment files, 4 KiB pages: a commit rewrites a few
+                # small pages instead of a few 64 KiB ones in the WAL; measured here
+                # (docs/notes/bodystore.md) lone 256 B commits 1,300-2,000 vs 1,000-1,100/s,
+                # 64 x 1 KiB 47k vs 19k msg/s, 2,000 x 256 B per commit the same.
+                db.execute(f"PRAGMA page_size={65536 if self.bodies.threshold > SMALL_PAGES_BELOW else 4096}")
                 db.execute("PRAGMA journal_mode=WAL")
                 db.execute("PRAGMA synchronous=FULL")
                 apply_sqlite(db, SQLITE_MIGRATIONS)
+                self.bodies.recover(db)
             except (sqlite3.Error, OSError) as exc:
                 raise StoreError(f"cannot open {self.description}: {exc}") from exc
             self._db = db
@@ -88,6 +112,7 @@ class SQLiteStore:
             if self._db is not None:
                 self._db.close()
                 self._db = None
+            self.bodies.close()
 
         await asyncio.get_running_loop().run_in_executor(self._executor, close)
         self._executor.shutdown(wait=True)
@@ -132,6 +157,7 @@ class SQLiteStore:
         def delete(db: sqlite3.Connection) -> None:
             with _transaction(db):
                 _delete_queue(db, vhost, name)
+            self.bodies.collect(db)
 
         await self._run(delete)
 
@@ -239,7 +265,8 @@ class SQLiteStore:
                 found = db.execute("DELETE FROM vhosts WHERE name = ?", (name,)).rowcount > 0
                 for table in ("exchanges", "queues", "bindings", "messages", "queue_epochs"):
                     db.execute(f"DELETE FROM {table} WHERE vhost = ?", (name,))
-                return found
+            self.bodies.collect(db)
+            return found
 
         return await self._run(delete)
 
@@ -253,20 +280,34 @@ class SQLiteStore:
 
     async def load_messages(self, vhost: str, queue: str) -> list[StoredMessage]:
         def load(db: sqlite3.Connection) -> list[StoredMessage]:
-            return [
-                StoredMessage(vhost, queue, *row)
-                for row in db.execute(
-                    'SELECT "offset", message_id, exchange, routing_key, properties, body, enqueued_at, expires_at,'
-                    ' delivery_count FROM messages WHERE vhost = ? AND queue = ? AND state = \'ready\''
-                    ' ORDER BY "offset"',
-                    (vhost, queue),
-                )
-            ]
+            rows = db.execute(
+                f"SELECT {_MESSAGE_COLUMNS} FROM messages WHERE vhost = ? AND queue = ? AND state = 'ready'"
+                ' ORDER BY "offset"',
+                (vhost, queue),
+            ).fetchall()
+            return self.bodies.resolve(vhost, queue, rows)
 
         return await self._run(load)
 
     async def commit(self, batch: Batch) -> None:
+        bodies = self.bodies
+
         def commit(db: sqlite3.Connection) -> dict[tuple[str, str], int]:
+            # The large bodies are written and fsynced on the body store's thread meanwhile;
+            # the commit is done when both are (sqlite_bodies.py says why that order is safe).
+            write = bodies.start(batch.appends) if batch.appends else None
+            try:
+                claimed = write_rows(db, write)
+            except BaseException:
+                if write is not None:
+                    bodies.finish(write, committed=False)
+                raise
+            if write is not None:
+                bodies.finish(write, committed=True)
+            bodies.collect(db, bool(batch.removals or batch.truncations or batch.purges or batch.topology))
+            return claimed
+
+        def write_rows(db: sqlite3.Connection, write: BodyWrite | None) -> dict[tuple[str, str], int]:
             with _transaction(db):
                 _apply_topology(db, batch.topology)
                 claimed = {key: _claim(db, key[0], key[1], None) for key in dict.fromkeys(batch.claims)}
@@ -283,7 +324,23 @@ class SQLiteStore:
                     raise Fenced(stale)
                 if batch.purges:
                     db.executemany("DELETE FROM messages WHERE vhost = ? AND queue = ?", batch.purges)
-                if batch.appends:
+                if write is not None:
+                    db.executemany(
+                        'INSERT OR REPLACE INTO messages (vhost, queue, "offset", message_id, exchange, routing_key,'
+                        " properties, body, enqueued_at, expires_at, size, delivery_count, body_segment,"
+                        " body_position, body_crc) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
+                        [
+                            (m.vhost, m.queue, m.offset, m.message_id, m.exchange, m.routing_key, m.properties,
+                             m.body, m.enqueued_at, m.expires_at, len(m.body), m.delivery_count, None, None, None)
+                            if r is None else
+                            (m.vhost, m.queue, m.offset, m.message_id, m.exchange, m.routing_key, m.properties,
+                             b"", m.enqueued_at, m.expires_at, r.length, m.delivery_count, r.segment, r.position,
+                             r.crc)
+                            for m, r in zip(batch.appends, write.refs, strict=True)
+                        ],
+                    )
+                    bodies.account(db, write)
+                elif batch.appends:
                     db.executemany(
                         'INSERT OR REPLACE INTO messages (vhost, queue, "offset", message_id, exchange, routing_key,'
                         " properties, body, enqueued_at, expires_at, size, delivery_count)"
@@ -320,15 +377,12 @@ class SQLiteStore:
     async def load_range(self, vhost: str, queue: str, start: int, below: int | None, limit: int
                          ) -> list[StoredMessage]:
         def load(db: sqlite3.Connection) -> list[StoredMessage]:
-            return [
-                StoredMessage(vhost, queue, *row)
-                for row in db.execute(
-                    'SELECT "offset", message_id, exchange, routing_key, properties, body, enqueued_at, expires_at,'
-                    ' delivery_count FROM messages WHERE vhost = ? AND queue = ? AND "offset" >= ?'
-                    ' AND "offset" < ? AND state = \'ready\' ORDER BY "offset" LIMIT ?',
-                    (vhost, queue, start, below if below is not None else 2**63 - 1, limit),
-                )
-            ]
+            rows = db.execute(
+                f'SELECT {_MESSAGE_COLUMNS} FROM messages WHERE vhost = ? AND queue = ? AND "offset" >= ?'
+                ' AND "offset" < ? AND state = \'ready\' ORDER BY "offset" LIMIT ?',
+                (vhost, queue, start, below if below is not None else 2**63 - 1, limit),
+            ).fetchall()
+            return self.bodies.resolve(vhost, queue, rows)
 
         return await self._run(load)
 

@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 
 from leveret.cli import build_parser
-from leveret.config import ConfigError, NodeConfig, load
+from leveret.config import ConfigError, NodeConfig, load, validate
 
 
 def test_defaults() -> None:
@@ -64,3 +64,10 @@ def test_every_option_has_a_flag_and_help() -> None:
     for name in NodeConfig.__dataclass_fields__:
         assert "--" + name.replace("_", "-") in text
         assert "LEVERET_" + name.upper() in text
+
+
+def test_body_store_threshold_is_a_size_or_off() -> None:
+    assert load(None, {"body_store_threshold": 0}, environ={}).body_store_threshold == 0
+    assert load(None, {}, environ={"LEVERET_BODY_STORE_THRESHOLD": "4096"}).body_store_threshold == 4096
+    with pytest.raises(ConfigError, match="--body-store-threshold must be 0"):
+        validate(load(None, {"body_store_threshold": -1}, environ={}))
