@@ -85,6 +85,24 @@ def segment_name(segment: int) -> str:
     return f"{segment:016x}{_SUFFIX}"
 
 
+def read_body(directory: str | Path, ref: BodyRef) -> bytes:
+    """One referenced body, read from its segment under ``directory`` with a read-only open, its
+    checksum verified (CorruptBody otherwise): for readers outside the node, such as the retention
+    job's archive, which see the rows but not the node's open files."""
+    try:
+        fd = os.open(Path(directory) / segment_name(ref.segment), os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
+    except FileNotFoundError:
+        raise CorruptBody(f"segment {segment_name(ref.segment)} is missing") from None
+    try:
+        body = os.pread(fd, ref.length, ref.position)
+    finally:
+        os.close(fd)
+    if len(body) != ref.length or zlib.crc32(body) != ref.crc:
+        raise CorruptBody(f"segment {segment_name(ref.segment)} at {ref.position}+{ref.length}: "
+                          "short or checksum mismatch")
+    return body
+
+
 class SegmentStore:
     def __init__(self, directory: str | Path, segment_bytes: int = SEGMENT_BYTES) -> None:
         self.directory = Path(directory)

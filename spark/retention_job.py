@@ -59,6 +59,8 @@ ARCHIVE_COLUMNS = [
     "vhost", "queue", "offset", "message_id", "exchange", "routing_key", "properties", "body",
     "enqueued_at", "expires_at", "size", "delivery_count", "state",
 ]  # fmt: skip
+# The embedded store's reference to a body kept in a segment file (persistence/bodystore.py).
+BODY_REF_COLUMNS = ["body_segment", "body_position", "body_crc"]
 
 
 def _stderr(line: str) -> None:
@@ -147,6 +149,10 @@ def read_messages(spark: SparkSession, backend: Backend, partitions: int, with_b
     low, high, _count = backend.offset_bounds()
     columns = ARCHIVE_COLUMNS if with_body else ["vhost", "queue", "offset", "enqueued_at", "expires_at", "size",
                                                  "state"]  # fmt: skip
+    if with_body and backend.kind == "sqlite":
+        # The embedded store keeps large bodies in segment files and an empty body plus a reference
+        # in the row (persistence/bodystore.py): write_archive reads them from there.
+        columns = [*columns, *BODY_REF_COLUMNS]
     reader = (
         spark.read.format("jdbc")
         .option("url", url)
@@ -155,7 +161,8 @@ def read_messages(spark: SparkSession, backend: Backend, partitions: int, with_b
         .option("lowerBound", str(low))
         .option("upperBound", str(high + 1))
         .option("numPartitions", str(max(1, partitions)))
-        .option("customSchema", "offset LONG, size LONG, delivery_count LONG")
+        .option("customSchema", "offset LONG, size LONG, delivery_count LONG"
+                + (", body_segment LONG, body_position LONG, body_crc LONG" if backend.kind == "sqlite" else ""))
     )
     for key, value in options.items():
         reader = reader.option(key, value)
@@ -243,6 +250,31 @@ def _summaries(classified: DataFrame, now: float) -> dict[tuple[str, str], dict[
             "fenced": False,
         }
     return out
+
+
+def with_segment_bodies(removed: DataFrame, bodies_dir: str) -> DataFrame:
+    """``removed`` with the bodies that the embedded store keeps in segment files read back whole.
+
+    Only the rows being archived are read (after the filter), one pread each; a body that is
+    missing or fails its checksum (e.g. its segment was compacted since the rows were read) fails
+    the run before anything is deleted, and the next run reads the rows again.
+    """
+    from pyspark.sql import functions as F
+    from pyspark.sql.types import BinaryType
+
+    def resolve(body: bytes | None, segment: int | None, position: int | None, size: int | None,
+                crc: int | None) -> bytes | None:
+        if segment is None or position is None or size is None or crc is None:
+            return body
+        from persistence.bodystore import BodyRef, read_body
+
+        return read_body(bodies_dir, BodyRef(segment, position, size, crc))
+
+    # A plain Python UDF (no Arrow: pandas is not a dependency); the lambda hides resolve's hints,
+    # which Spark would otherwise try to read as a pandas UDF's.
+    read = F.udf(lambda *cols: resolve(*cols), BinaryType(), useArrow=False)
+    return removed.withColumn("body", read(F.col("body"), *(F.col(c) for c in BODY_REF_COLUMNS[:2]),
+                                           F.col("size"), F.col(BODY_REF_COLUMNS[2])))
 
 
 def write_archive(removed: DataFrame, archive_dir: str, run_id: str, now: float) -> int:
@@ -333,6 +365,8 @@ def run(options: RunOptions, spark: SparkSession | None = None) -> dict[str, Any
     if archiving and not options.dry_run and to_remove:
         assert options.archive_dir is not None
         archived = removed.where("archive")
+        if backend.kind == "sqlite":
+            archived = with_segment_bodies(archived, str(Path(backend.path).parent / "bodies"))
         files = write_archive(archived, options.archive_dir, run_id, now)
         for s in summaries.values():
             if s["archive"]:

@@ -84,10 +84,14 @@ async def _populate(store: Any, queues: dict[str, dict[str, Any]] = QUEUES) -> N
         await store.close()
 
 
-def sqlite_backend(data_dir: Path, queues: dict[str, dict[str, Any]] = QUEUES) -> Backend:
+def sqlite_backend(data_dir: Path, queues: dict[str, dict[str, Any]] = QUEUES, body_threshold: int | None = None
+                   ) -> Backend:
     from persistence.sqlite import SQLiteStore
 
-    asyncio.run(_populate(SQLiteStore(str(data_dir / "leveret.sqlite3")), queues))
+    store = SQLiteStore(str(data_dir / "leveret.sqlite3"))
+    if body_threshold is not None:
+        store = SQLiteStore(str(data_dir / "leveret.sqlite3"), body_threshold=body_threshold)
+    asyncio.run(_populate(store, queues))
     backend = Backend("sqlite", data_dir=str(data_dir))
     backend.connect()
     return backend
@@ -223,6 +227,20 @@ def test_sqlite_dry_run_then_run_with_archive(tmp_path: Path, spark: Any) -> Non
     # A second run finds nothing more to do.
     again = run_job(backend, spark, archive_dir=str(tmp_path / "archive"))
     assert again["totals"]["removed_messages"] == 0
+    assert offsets_by_queue(backend) == EXPECTED_KEPT
+
+
+@needs_java
+def test_the_archive_holds_bodies_the_embedded_store_keeps_in_segment_files(tmp_path: Path, spark: Any) -> None:
+    # A threshold under the 300 B bodies: every body is in a segment file, the rows hold references.
+    backend = sqlite_backend(tmp_path / "data", body_threshold=256)
+    assert list(backend._rows("SELECT count(*) FROM messages WHERE body_segment IS NULL")) == [(0,)]
+    backend.set_policy(LOGS_POLICY)
+    run_job(backend, spark, archive_dir=str(tmp_path / "archive"))
+    rows = spark.read.parquet(str(tmp_path / "archive")).collect()
+    assert sorted(r["offset"] for r in rows) == list(range(1, 7))
+    for r in rows:
+        assert bytes(r["body"]) == _message("logs.app", r["offset"]).body
     assert offsets_by_queue(backend) == EXPECTED_KEPT
 
 
