@@ -76,7 +76,8 @@ def run_one(broker: str, url: str, pid: int | None, scenario: str, messages: int
     result: dict[str, object] = {
         "broker": broker, "scenario": scenario, "messages": messages, "size": size,
         "confirmed": pub.confirmed, "publish_msg_s": round(pub.rate), "publish_s": round(pub.seconds, 1),
-        "longest_confirm_wait_s": round(pub.longest_wait, 2),
+        "longest_confirm_wait_s": round(pub.longest_wait, 2), "blocked": pub.blocked,
+        "close_reason": pub.close_reason,
         "received": len(got.seqs), "in_order": in_order, "drain_msg_s": round(got.rate),
         "drain_s": round(got.seconds, 1),
         "idle_rss_mib": idle >> 20, "peak_rss_mib": (max(r for _, r in rss) >> 20) if rss else None,
