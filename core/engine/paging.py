@@ -48,6 +48,7 @@ from collections.abc import Callable, Iterable, Iterator
 from typing import IO, TYPE_CHECKING
 
 from core.engine.ready import requeue_into, take_offsets
+from core.model import properties
 from core.model.message import Message, QueuedMessage
 from core.ports.store import StoredMessage
 
@@ -70,6 +71,10 @@ class Settings:
     # 1 MiB keeps a read under a millisecond of the event loop for 1 KiB bodies (about 1000 records).
     page_count = 4096
     page_bytes = 1024 * 1024
+    # A page of a queue that pages from the store may carry this many times page_bytes: its store
+    # part is read off the event loop, and each read may wait behind a group commit in the store's
+    # one thread, so fewer, larger reads keep up better (see docs/notes/paging.md).
+    store_page_factor = 4
 
 
 settings = Settings()
@@ -226,9 +231,19 @@ _SIZE_REDELIVERED = 1 << 31
 _SIZE = _SIZE_REDELIVERED - 1
 
 
+_summaries: dict[bytes, properties.PropertySummary] = {}
+
+
 def from_store(sm: StoredMessage, redelivered: bool) -> QueuedMessage:
     """A message paged back from the store (as ``Durability.load`` restores one)."""
-    m = Message(sm.exchange, sm.routing_key, sm.properties, sm.body, timestamp=sm.enqueued_at)
+    # Most messages of a queue carry the same few property encodings: scan each once (as streams do).
+    props = sm.properties
+    summary = _summaries.get(props)
+    if summary is None:
+        if len(_summaries) > 4096:
+            _summaries.clear()
+        summary = _summaries[props] = properties.scan(props)
+    m = Message(sm.exchange, sm.routing_key, props, sm.body, summary, timestamp=sm.enqueued_at)
     m.id = sm.message_id
     qm = QueuedMessage(m, sm.offset)
     qm.redelivered = redelivered
@@ -264,6 +279,8 @@ class PagedReady:
         # Persistent messages spilled before their commit is known done: still in memory (the
         # store may not have them yet), dropped when the commit ends; ``kept`` when it failed.
         self.held: dict[int, QueuedMessage] = {}
+        self.held_order: deque[int] = deque()  # held offsets, oldest first (popping a dict's first key
+        # again and again is quadratic: CPython skips the deleted slots from the start each time)
         self.held_bytes = 0
         self.kept: dict[int, QueuedMessage] = {}
         self._commit_wait = False
@@ -292,6 +309,7 @@ class PagedReady:
         if qm.persisted and self.storage is not None:
             # In the store already (or in its commit): only the index keeps it, once committed.
             self.held[qm.offset] = qm
+            self.held_order.append(qm.offset)
             self.held_bytes += size
             if not self._commit_wait:
                 self._await_commit()
@@ -311,7 +329,7 @@ class PagedReady:
         """
         assert self.storage is not None
         self._commit_wait = True
-        upto = next(reversed(self.held))
+        upto = self.held_order[-1]
         gen = self.gen
         self.storage.committer.when_committed(lambda error: self._committed(gen, upto, error))
 
@@ -319,21 +337,20 @@ class PagedReady:
         if gen != self.gen:
             return
         self._commit_wait = False
-        held = self.held
+        held, order = self.held, self.held_order
         if error is not None:
             # Not in the store (their publishers are nacked): they stay in memory. All of them, not
             # only those up to ``upto``: a batch that failed is gone from the committer, so a later
             # callback could not tell the newer ones in it from committed ones.
             self.kept.update(held)
             held.clear()
+            order.clear()
             self.held_bytes = 0
             return
-        while held:
-            offset = next(iter(held))
-            if offset > upto:
-                break
-            qm = held.pop(offset)
-            self.held_bytes -= len(qm.message.body)
+        while order and order[0] <= upto:
+            qm = held.pop(order.popleft(), None)  # None: paged in or taken meanwhile
+            if qm is not None:
+                self.held_bytes -= len(qm.message.body)
         if held:
             self._await_commit()
 
@@ -352,8 +369,14 @@ class PagedReady:
 
     # -- reading back -------------------------------------------------------------------
     def _low(self) -> bool:
-        """Under the low-water mark: read the next page now, ahead of the consumers."""
-        return self.mem_bytes < 2 * settings.page_bytes and len(self.mem) < 2 * settings.page_count
+        """Under the low-water mark: read the next page now, ahead of the consumers.
+
+        Two pages, or a quarter of the budget up to 16 pages: a store read may wait behind a
+        commit (tens of ms on a loaded machine), and consumers drain 1 KiB messages at 50-75k/s.
+        """
+        page = settings.page_bytes * (settings.store_page_factor if self.storage is not None else 1)
+        low = max(2 * page, min(self.budget // 4, 16 * page))
+        return self.mem_bytes < low and len(self.mem) < 8 * settings.page_count
 
     def _page_in(self) -> None:
         """Start on the next page: landed at once when it needs nothing from the store, else read."""
@@ -365,7 +388,8 @@ class PagedReady:
         end = len(keys)
         n = 0
         size = 0
-        limit_n, limit_bytes = settings.page_count, settings.page_bytes
+        limit_n = settings.page_count
+        limit_bytes = settings.page_bytes * (settings.store_page_factor if store else 1)
         # (offset, message or None: to read from the store, size word); taken ones are left out
         items: list[tuple[int, QueuedMessage | None, int]] = []
         need_first = need_last = -1
@@ -476,6 +500,7 @@ class PagedReady:
         self.paged_bytes = 0
         self.taken.clear()
         self.held.clear()
+        self.held_order.clear()
         self.held_bytes = 0
         self.kept.clear()
         # Nothing left to read (what remains of the log was taken by retention): close and
