@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 
+from coordination.local import LocalCoordinator
 from core.durable.durability import QueueStorage
 from core.durable.group_commit import GroupCommitter
 from core.engine import paging
@@ -172,6 +173,26 @@ async def test_an_empty_window_waits_for_the_page_and_dispatch_resumes_when_it_l
     while len(sink.delivered) < 59:
         await asyncio.sleep(0.001)
     assert numbers(sink) == list(range(10)) + list(range(11, 60))
+
+
+async def test_basic_get_through_the_coordinator_waits_for_the_page(small_budget: Path) -> None:
+    store = MemoryStore()
+    q, committer = durable_queue(store)
+    publish(q, range(30))
+    await committer.drain()
+    store.gate = asyncio.Event()
+    coordinator = LocalCoordinator("t")
+    got = []
+    for _ in range(10):  # the window, answered at once
+        qm, _left = await coordinator.get(q, no_ack=True)
+        assert qm is not None
+        got.append(qm.offset)
+    answer = asyncio.ensure_future(coordinator.get(q, no_ack=True))  # the next page is being read
+    await settle_loop()
+    assert not answer.done()  # not get-empty: the queue holds 20 more
+    store.gate.set()
+    qm, left = await answer
+    assert qm is not None and got + [qm.offset] == list(range(11)) and left == 19
 
 
 async def test_a_commit_that_failed_keeps_the_spilled_copy_in_memory(small_budget: Path) -> None:
