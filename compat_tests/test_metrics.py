@@ -140,13 +140,40 @@ def test_per_object_and_detailed(node: MetricsNode) -> None:
     assert value(detailed, "rabbitmq_detailed_queue_messages", **q) == 1
     assert {name for name, _ in detailed} == {
         "rabbitmq_detailed_queue_messages_ready", "rabbitmq_detailed_queue_messages_unacked",
-        "rabbitmq_detailed_queue_messages"}
+        "rabbitmq_detailed_queue_messages", "rabbitmq_detailed_queue_info"}
+    assert value(detailed, "rabbitmq_detailed_queue_info", queue_type="rabbit_classic_queue", membership="leader",
+                 **q) == 1
     other = samples(node.scrape("/metrics/detailed?family=queue_coarse_metrics&vhost=other"))
     assert not other.get(("rabbitmq_detailed_queue_messages", frozenset(q.items())))
     with pytest.raises(urllib.error.HTTPError) as err:
         node.scrape("/metrics/detailed?family=no_such_family")
     assert err.value.code == 400
     assert b"no_such_family" in err.value.read()
+
+
+def test_queue_info_gives_each_queue_its_type_as_rabbitmq_does(node: MetricsNode) -> None:
+    conn = pika.BlockingConnection(pika.URLParameters(node.url))
+    try:
+        ch = conn.channel()
+        ch.queue_declare("info-classic", durable=True)
+        ch.queue_declare("info-quorum", durable=True, arguments={"x-queue-type": "quorum"})
+        ch.queue_declare("info-stream", durable=True, arguments={"x-queue-type": "stream"})
+    finally:
+        conn.close()
+    text = node.scrape("/metrics/per-object")
+    assert ("# HELP rabbitmq_queue_info A metric with a constant '1' value and labels that provide some queue "
+            "details\n# TYPE rabbitmq_queue_info gauge\n") in text
+    found = samples(text)
+    for name, type_ in (("info-classic", "rabbit_classic_queue"), ("info-quorum", "rabbit_quorum_queue"),
+                        ("info-stream", "rabbit_stream_queue")):
+        assert value(found, "rabbitmq_queue_info", vhost="/", queue=name, queue_type=type_, membership="leader") == 1
+    infos = [labels for n, labels in found if n == "rabbitmq_queue_info"]
+    assert len(infos) == 3  # one series per queue, whatever its type
+    # The aggregated endpoint has no per-queue series, as RabbitMQ's (return_per_object_metrics off).
+    assert not [n for n, _ in samples(node.scrape("/metrics")) if n == "rabbitmq_queue_info"]
+    # /metrics/detailed only with a queue family.
+    assert not [n for n, _ in samples(node.scrape("/metrics/detailed?family=node_coarse_metrics"))
+                if n.endswith("queue_info")]
 
 
 def test_last_retention_report_totals(node: MetricsNode) -> None:

@@ -3,7 +3,8 @@
 A node with 4 MiB per queue takes N 1 KiB messages with confirms and no consumer: the publisher
 is never held up (no memory alarm, no stall), the node's RSS stays bounded, and a consumer then
 gets every message in order. Once for persistent messages on a durable queue, once for transient
-ones on a non-durable queue; and a kill -9 in the middle of the persistent run. The full count
+ones on a non-durable queue (the persistent ones page back from the store: nothing of them is
+written to the paging dir); and a kill -9 in the middle of the persistent run. The full count
 (2 million, 256 MiB) is bench/backlog.py's.
 """
 
@@ -54,6 +55,11 @@ def spill_files(node: NodeProcess) -> list[str]:
     return os.listdir(node.data_dir / "paging")
 
 
+def spill_bytes(node: NodeProcess) -> int:
+    d = node.data_dir / "paging"
+    return sum(os.path.getsize(d / f) for f in os.listdir(d))
+
+
 @pytest.mark.parametrize("persistent", [True, False], ids=["persistent-durable", "transient-non-durable"])
 def test_a_backlog_past_the_budget_never_blocks_the_publisher_and_drains_in_order(
         node: NodeProcess, persistent: bool) -> None:
@@ -65,7 +71,10 @@ def test_a_backlog_past_the_budget_never_blocks_the_publisher_and_drains_in_orde
     assert not run.blocked and run.longest_wait < 10, run
     peak = max(r for _, r in run.rss)
     assert peak - idle_rss < RSS_GROWTH, f"RSS grew {(peak - idle_rss) >> 20} MiB"
-    assert spill_files(node)  # the backlog is on disk
+    if persistent:
+        assert spill_bytes(node) == 0  # in the store already: pages back from there, not written again
+    else:
+        assert spill_bytes(node) > N * SIZE // 2  # the backlog is in segment files
     assert "memory high watermark" not in node.stderr_tail(1 << 20)
     got = drain(node.url, "backlog", N, pid=node.pid)
     assert len(got.seqs) == N
@@ -73,6 +82,24 @@ def test_a_backlog_past_the_budget_never_blocks_the_publisher_and_drains_in_orde
     assert not any(got.redelivered)
     assert max(r for _, r in got.rss) - idle_rss < RSS_GROWTH
     assert spill_files(node) == []  # removed as they were read back
+
+
+def test_persistent_messages_of_a_paged_durable_queue_are_not_written_to_the_paging_dir(
+        node: NodeProcess) -> None:
+    node.start()
+    declare(node, "mixed", durable=True)
+    n = N // 4
+    persistent = asyncio.run(publish_backlog(node.amqp_port, "mixed", n, SIZE, 2))
+    assert persistent.confirmed == n
+    assert spill_bytes(node) == 0  # paged past the budget, yet nothing in the paging dir
+    # Transient ones behind them on the same durable queue: those go to segment files.
+    transient = asyncio.run(publish_backlog(node.amqp_port, "mixed", n, SIZE, 1, first=n + 1))
+    assert transient.confirmed == n
+    written = spill_bytes(node)
+    assert n * SIZE // 2 < written < n * (SIZE + 256), written  # the transient ones, only they
+    got = drain(node.url, "mixed", 2 * n)
+    assert got.seqs == list(range(1, 2 * n + 1))  # the store's pages and the segment files merged in order
+    assert spill_files(node) == []
 
 
 def test_kill_9_mid_backlog_loses_no_confirmed_message_and_duplicates_none(node: NodeProcess) -> None:

@@ -1274,6 +1274,8 @@ class EtcdCluster:
         if queue.remote is None:
             queue.touch()  # basic.get counts as use for x-expires
             qm = queue.default.get(no_ack)
+            if qm is None and queue.default.head_loading():
+                qm = await queue.default.get_loaded(no_ack)  # the head is being read from the store
             return qm, queue.message_count
         link = self._link_for(queue)
         await link.barrier()

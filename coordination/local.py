@@ -161,4 +161,10 @@ class LocalCoordinator:
     def get(self, queue: Queue, no_ack: bool) -> Awaitable[tuple[QueuedMessage | None, int]]:
         queue.touch()  # basic.get counts as use for x-expires
         qm = queue.default.get(no_ack)
+        if qm is None and queue.default.head_loading():
+            return self._get_paged(queue, no_ack)  # the head is being read from the store: wait for it
         return Immediate((qm, len(queue.default.ready)))
+
+    async def _get_paged(self, queue: Queue, no_ack: bool) -> tuple[QueuedMessage | None, int]:
+        qm = await queue.default.get_loaded(no_ack)
+        return qm, len(queue.default.ready)

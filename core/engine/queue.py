@@ -10,13 +10,14 @@ queue's AMQP consumers share.
 
 from __future__ import annotations
 
+import asyncio
 from collections import deque
 from collections.abc import Callable, Iterable, Sequence
 from typing import TYPE_CHECKING, Any, Protocol
 
 from core.engine import paging
 from core.engine.flow import FLOW_HIGH, FLOW_LOW, QueueFlow
-from core.engine.paging import NEVER, PagedReady
+from core.engine.paging import NEVER, PagedReady, PageWait
 from core.engine.queue_args import QueueArgs
 from core.engine.ready import PriorityReady, requeue_into, take_offsets
 from core.model import properties
@@ -109,6 +110,7 @@ class QueueChannel:
         # PagedReady whose window holds at most page_budget bytes (page_at is then NEVER).
         self.page_budget = NEVER
         self.page_at = NEVER
+        self._page_waiters: list[asyncio.Future[None]] = []  # basic.get waiting for a page (get_loaded)
         self.set_paging()
 
     # -- arrival ---------------------------------------------------------------
@@ -228,16 +230,19 @@ class QueueChannel:
         try:
             ready = self.ready
             queue = self.queue
-            while ready and self.consumers:
-                c = self._pick()
-                if c is None:
-                    break
-                qm = ready.popleft()
-                self.ready_bytes -= len(qm.message.body)
-                if qm.expires_at is not None and qm.expires_at <= queue.scheduler.now():
-                    queue.drop([qm], EXPIRED)
-                    continue
-                self._hand_over(c, qm)
+            try:
+                while ready and self.consumers:
+                    c = self._pick()
+                    if c is None:
+                        break
+                    qm = ready.popleft()
+                    self.ready_bytes -= len(qm.message.body)
+                    if qm.expires_at is not None and qm.expires_at <= queue.scheduler.now():
+                        queue.drop([qm], EXPIRED)
+                        continue
+                    self._hand_over(c, qm)
+            except PageWait:
+                pass  # the next page is being read from the store: _page_landed dispatches again
             flow = self.flow
             if (flow.behind or flow.stalled) and len(ready) <= FLOW_LOW:
                 flow.at_low()
@@ -269,7 +274,10 @@ class QueueChannel:
         self.expire()
         if not self.ready:
             return None
-        qm = self.ready.popleft()
+        try:
+            qm = self.ready.popleft()
+        except PageWait:
+            return None  # not empty: head_loading() says so, and get_loaded waits for the page
         self.ready_bytes -= len(qm.message.body)
         self.flow_recheck()
         qm.delivery_count += 1
@@ -293,7 +301,10 @@ class QueueChannel:
         now = self.queue.scheduler.now()
         expired: list[QueuedMessage] = []
         while ready:
-            head = ready[0]
+            try:
+                head = ready[0]
+            except PageWait:
+                break  # expired ones at the head of the next page go when it lands
             if head.expires_at is None or head.expires_at > now:
                 break
             ready.popleft()
@@ -307,7 +318,10 @@ class QueueChannel:
     def _arm_expiry(self) -> None:
         if not self.ready:
             return
-        head = self.ready[0]
+        try:
+            head = self.ready[0]
+        except PageWait:
+            return  # armed again when the page lands
         if head.expires_at is None:
             return
         if self._expiry_timer is not None:
@@ -475,6 +489,10 @@ class QueueChannel:
             ready.close()
             self.ready = deque()
             self.set_paging()
+            waiters, self._page_waiters = self._page_waiters, []
+            for fut in waiters:  # a basic.get waiting for a page: the queue is empty now
+                if not fut.done():
+                    fut.set_result(None)
         else:
             ready.clear()
         self.ready_bytes = 0
@@ -507,7 +525,7 @@ class QueueChannel:
     def memory_bytes(self) -> int:
         """Bytes of ready bodies held in memory (the memory alarm's share of this channel)."""
         ready = self.ready
-        return ready.mem_bytes if type(ready) is PagedReady else self.ready_bytes
+        return ready.mem_bytes + ready.held_bytes if type(ready) is PagedReady else self.ready_bytes
 
     def set_paging(self) -> None:
         """(Re)read the budget: the node's per-queue one, 0 for lazy queues; priority queues never page."""
@@ -536,7 +554,7 @@ class QueueChannel:
             # A proxy's ready copies belong to the owner's subscription: they stay in memory. (Behind
             # a loading gate the queue's own backlog is restored: that one pages.)
             return
-        self.ready = PagedReady(ready, self.ready_bytes, self.page_budget)
+        self.ready = PagedReady(ready, self.ready_bytes, self.page_budget, self.queue.storage, self._page_landed)
         self.page_at = NEVER
 
     def page_down(self, keep: int) -> None:
@@ -545,8 +563,39 @@ class QueueChannel:
         if type(ready) is PagedReady:
             ready.shrink(min(keep, self.page_budget))
         elif type(ready) is deque and ready and ready[0].link is None:
-            self.ready = PagedReady(ready, self.ready_bytes, min(keep, self.page_budget))
+            self.ready = PagedReady(ready, self.ready_bytes, min(keep, self.page_budget), self.queue.storage,
+                                    self._page_landed)
             self.page_at = NEVER
+
+    def _page_landed(self) -> None:
+        """A page read from the store is in the window: what waited on the head goes on."""
+        waiters, self._page_waiters = self._page_waiters, []
+        for fut in waiters:
+            if not fut.done():
+                fut.set_result(None)
+        queue = self.queue
+        if queue.deleted:
+            return
+        if self.consumers:
+            self.dispatch()
+        self.expire()
+        if queue._limited:
+            queue._drop_over_limit()
+
+    def head_loading(self) -> bool:
+        """Is the head being read from the store (so the channel is not empty, only waiting)?"""
+        ready = self.ready
+        return type(ready) is PagedReady and ready.waiting
+
+    async def get_loaded(self, no_ack: bool) -> QueuedMessage | None:
+        """basic.get that waits for a page being read from the store rather than answer empty."""
+        while True:
+            qm = self.get(no_ack)
+            if qm is not None or not self.head_loading():
+                return qm
+            fut: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+            self._page_waiters.append(fut)
+            await fut
 
     def _unpage(self, ready: PagedReady) -> None:
         if self.page_budget == 0:
@@ -745,11 +794,14 @@ class Queue:
         a = self.args
         for ch in self.channels:
             dropped = []
-            while ch.ready and (
-                (a.max_length is not None and len(ch.ready) > a.max_length)
-                or (a.max_length_bytes is not None and ch.ready_bytes > a.max_length_bytes)
-            ):
-                dropped.append(ch.drop_head())
+            try:
+                while ch.ready and (
+                    (a.max_length is not None and len(ch.ready) > a.max_length)
+                    or (a.max_length_bytes is not None and ch.ready_bytes > a.max_length_bytes)
+                ):
+                    dropped.append(ch.drop_head())
+            except PageWait:
+                pass  # the head is being read from the store: the rest goes when it lands (_page_landed)
             if dropped:
                 self.drop(dropped, MAXLEN)
 

@@ -46,6 +46,9 @@ if TYPE_CHECKING:
 
 PROTOCOL = "amqp091"
 QUEUE_TYPE = "rabbit_classic_queue"
+# rabbitmq_queue_info's queue_type: RabbitMQ's queue type modules (as in its global counters' label).
+QUEUE_TYPES = {"classic": QUEUE_TYPE, "quorum": "rabbit_quorum_queue", "stream": "rabbit_stream_queue"}
+QUEUE_FAMILIES = ("queue_coarse_metrics", "queue_consumer_count", "queue_metrics")
 
 # /metrics/detailed?family=NAME: the families this node can serve.
 DETAILED_FAMILIES = (
@@ -110,6 +113,8 @@ class NodeCollector:
             yield from self._queue_metrics()
         elif view.wants("queue_consumer_count"):
             yield from self._queue_consumers()
+        if view.per_object and any(view.wants(f) for f in QUEUE_FAMILIES):
+            yield self._queue_info()
 
     # -- helpers ---------------------------------------------------------------
     def _local_queues(self) -> list[Queue]:
@@ -314,6 +319,20 @@ class NodeCollector:
         else:
             g.add_metric([], sum(q.consumer_count for q in queues))
         yield g
+
+    def _queue_info(self) -> Metric:
+        """The queue type, as RabbitMQ 4.1+ gives it (rabbitmq_queue_info): per-queue series carry no type label.
+
+        Per object and, on /metrics/detailed, when a queue family is asked for. ``membership``
+        is ``leader`` (the node serving the queue); a queue another node owns is reported there,
+        as RabbitMQ leaves out queues a node is not a member of.
+        """
+        g = GaugeMetricFamily(self._name("queue_info"),
+                              "A metric with a constant '1' value and labels that provide some queue details",
+                              labels=["vhost", "queue", "queue_type", "membership"])
+        for q in self._local_queues():
+            g.add_metric([q.vhost, q.name, QUEUE_TYPES.get(q.args.queue_type, QUEUE_TYPE), "leader"], 1)
+        return g
 
     def _queue_metrics(self) -> Iterator[Metric]:
         yield from self._queue_consumers()
