@@ -5,7 +5,8 @@ The memory alarm counts what grows with the messages a node holds, not RSS
 
 - message bodies queued in memory (ready in classic queues, a stream's newest);
 - the per-message index: every message held (ready or unacknowledged) costs
-  ``INDEX_BYTES_PER_MESSAGE`` beyond its body;
+  ``MESSAGE_BYTES`` beyond its body (measured; the queues' paging budget counts it
+  too: core/engine/paging.py), one on disk ``PAGED_INDEX_BYTES``;
 - bodies partly received on AMQP channels (a 128 MiB body counts as it arrives);
 - AMQP connection buffers (unparsed input, output not yet written).
 
@@ -20,21 +21,13 @@ import re
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from core.engine.paging import PagedReady
+from core.engine.paging import MESSAGE_BYTES, PAGED_INDEX_BYTES, PagedReady
 from core.engine.stream import StreamQueue
 
 if TYPE_CHECKING:
     from amqp_frontend.server import AMQPServer
     from core.engine.broker import Broker
 
-# Measured with tracemalloc (100,000 queued 1 KiB messages with a content type and a
-# delivery mode, no store): 372 bytes per message beyond its body (the Message, its
-# property summary, the QueuedMessage, the ready deque's slot), plus 33 for the header
-# of the body's bytes object, which len() leaves out.
-INDEX_BYTES_PER_MESSAGE = 405
-# A message paged to disk keeps its key and size in two arrays (core/engine/paging.py): 12.7 B
-# measured with tracemalloc; counted as 13.
-PAGED_INDEX_BYTES = 13
 DEFAULT_DISK_FREE_LIMIT = "50MB"  # RabbitMQ's default, 50,000,000 bytes
 
 _UNITS = {"": 1, "k": 1024, "kib": 1024, "kb": 1000, "m": 1024**2, "mib": 1024**2, "mb": 1000**2,
@@ -71,7 +64,7 @@ def memory_use(broker: Broker, amqp: AMQPServer | None) -> MemoryUse:
             if isinstance(q, StreamQueue):
                 bodies += q.mem_bytes  # a stream's retained newest bodies (core/engine/stream.py)
     held = amqp.held_bytes() if amqp is not None else 0
-    return MemoryUse(bodies, messages * INDEX_BYTES_PER_MESSAGE + index_paged * PAGED_INDEX_BYTES, held)
+    return MemoryUse(bodies, messages * MESSAGE_BYTES + index_paged * PAGED_INDEX_BYTES, held)
 
 
 def rss_bytes() -> int:

@@ -26,7 +26,7 @@ from core.ports.store import Batch, QueueRecord, StoredMessage
 from persistence.sqlite import SQLiteStore
 from tests.test_queue import FakeSink, consumer, message
 
-BODY = 100  # bytes per test message; the budget below holds 10 of them
+BODY = 100  # bytes per test message; the budget below holds 10 of them (each also costs paging.MESSAGE_BYTES)
 
 
 @pytest.fixture(autouse=True)
@@ -34,7 +34,7 @@ def small_budget(tmp_path: Path) -> Iterator[Path]:
     saved = (paging.settings.queue_bytes, paging.settings.node_bytes, paging.settings.directory,
              paging.settings.page_count)
     directory = tmp_path / "paging"
-    paging.configure(10 * BODY, 0, str(directory))
+    paging.configure(10 * (BODY + paging.MESSAGE_BYTES), 0, str(directory))
     paging.settings.page_count = 7  # pages smaller than the window: several page-ins per test
     yield directory
     (paging.settings.queue_bytes, paging.settings.node_bytes, paging.settings.directory,
@@ -315,7 +315,7 @@ def test_the_node_start_empties_what_a_previous_run_spilled(small_budget: Path) 
     q = Queue("q", "/")
     fill(q, 300)
     assert segment_files(small_budget)
-    paging.configure(10 * BODY, 0, str(small_budget))  # as a restarted node does: never reloaded
+    paging.configure(10 * (BODY + paging.MESSAGE_BYTES), 0, str(small_budget))  # as a restarted node does: never reloaded
     assert segment_files(small_budget) == []
 
 

@@ -35,7 +35,7 @@ def small_budget(tmp_path: Path) -> Iterator[Path]:
     saved = (paging.settings.queue_bytes, paging.settings.node_bytes, paging.settings.directory,
              paging.settings.page_count, paging.settings.page_bytes)
     directory = tmp_path / "paging"
-    paging.configure(10 * BODY, 0, str(directory))
+    paging.configure(10 * (BODY + paging.MESSAGE_BYTES), 0, str(directory))
     paging.settings.page_count = 7  # pages smaller than the window: several page-ins per test
     paging.settings.page_bytes = 7 * BODY
     yield directory

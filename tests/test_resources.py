@@ -7,7 +7,8 @@ import asyncio
 import pytest
 
 from core.engine.alarms import DISK, MEMORY, Alarms
-from leveret.resources import INDEX_BYTES_PER_MESSAGE, memory_use, parse_disk_free_limit
+from core.engine.paging import MESSAGE_BYTES
+from leveret.resources import memory_use, parse_disk_free_limit
 from tests.brokers import local_broker
 
 
@@ -52,7 +53,7 @@ async def test_memory_use_counts_the_index_of_every_message_held() -> None:
     for _ in range(10):
         q.enqueue(Message("", "q", props, bytes(1000)))
     use = memory_use(broker, None)
-    assert use.bodies == 10_000 and use.index == 10 * INDEX_BYTES_PER_MESSAGE and use.partial_and_buffers == 0
+    assert use.bodies == 10_000 and use.index == 10 * MESSAGE_BYTES and use.partial_and_buffers == 0
 
 
 def test_a_connection_holds_its_partial_bodies_and_unparsed_input() -> None:

@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 from core.engine import paging
 from core.engine.flow import FLOW_HIGH, FLOW_LOW, QueueFlow
-from core.engine.paging import NEVER, PagedReady, PageWait
+from core.engine.paging import MESSAGE_BYTES, NEVER, PagedReady, PageWait
 from core.engine.queue_args import QueueArgs
 from core.engine.ready import PriorityReady, requeue_into, take_offsets
 from core.model import properties
@@ -126,7 +126,8 @@ class QueueChannel:
         ready = self.ready
         ready.append(qm)
         self.ready_bytes += len(qm.message.body)
-        if self.ready_bytes > self.page_at:
+        # The budget counts each message's memory, not only its body (paging.MESSAGE_BYTES).
+        if self.ready_bytes + len(ready) * MESSAGE_BYTES > self.page_at:
             self._page_out()
             ready = self.ready
         if self.consumers:
@@ -168,7 +169,7 @@ class QueueChannel:
             if qm.expires_at is not None:
                 expiring = True
         self.ready_bytes += size
-        if self.ready_bytes > self.page_at:
+        if self.ready_bytes + len(ready) * MESSAGE_BYTES > self.page_at:
             self._page_out()
             ready = self.ready
         if self.consumers:
@@ -246,7 +247,8 @@ class QueueChannel:
             flow = self.flow
             if (flow.behind or flow.stalled) and len(ready) <= FLOW_LOW:
                 flow.at_low()
-            if type(ready) is PagedReady and not ready.paged and self.ready_bytes <= self.page_budget // 2:
+            if (type(ready) is PagedReady and not ready.paged
+                    and self.ready_bytes + len(ready) * MESSAGE_BYTES <= self.page_budget // 2):
                 self._unpage(ready)  # drained: back to the plain deque of the in-memory hot path
         finally:
             self._dispatching = False
@@ -543,7 +545,7 @@ class QueueChannel:
             self.page_at = NEVER
         else:
             self.page_at = budget
-            if self.ready_bytes > budget:
+            if self.ready_bytes + len(ready) * MESSAGE_BYTES > budget:
                 self._page_out()
 
     def _page_out(self) -> None:
