@@ -241,18 +241,10 @@ _SIZE_REDELIVERED = 1 << 31
 _SIZE = _SIZE_REDELIVERED - 1
 
 
-_summaries: dict[bytes, properties.PropertySummary] = {}
-
-
 def from_store(sm: StoredMessage, redelivered: bool) -> QueuedMessage:
     """A message paged back from the store (as ``Durability.load`` restores one)."""
-    # Most messages of a queue carry the same few property encodings: scan each once (as streams do).
     props = sm.properties
-    summary = _summaries.get(props)
-    if summary is None:
-        if len(_summaries) > 4096:
-            _summaries.clear()
-        summary = _summaries[props] = properties.scan(props)
+    summary = properties.scan_cached(props)
     m = Message(sm.exchange, sm.routing_key, props, sm.body, summary, timestamp=sm.enqueued_at)
     m.id = sm.message_id
     qm = QueuedMessage(m, sm.offset)

@@ -28,18 +28,11 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("leveret.core")
 
-_summaries: dict[bytes, properties.PropertySummary] = {}
-
 
 def _queued(sm: StoredMessage) -> QueuedMessage:
     """A message read back from the store, at its offset."""
-    # Most messages of a stream carry the same few property encodings: scan each once.
     props = sm.properties
-    summary = _summaries.get(props)
-    if summary is None:
-        if len(_summaries) > 4096:
-            _summaries.clear()
-        summary = _summaries[props] = properties.scan(props)
+    summary = properties.scan_cached(props)
     m = Message(sm.exchange, sm.routing_key, props, sm.body, summary)
     m.timestamp = sm.enqueued_at
     m.id = sm.message_id

@@ -116,6 +116,20 @@ def scan(raw: bytes) -> PropertySummary:
         raise PropertiesError("content header properties are truncated") from exc
 
 
+
+_scanned: dict[bytes, PropertySummary] = {}
+
+
+def scan_cached(raw: bytes) -> PropertySummary:
+    """``scan``, remembered by encoding: for messages read back from a store (paging, streams), where
+    most messages of a queue carry the same few property encodings. At most 4096 are kept."""
+    summary = _scanned.get(raw)
+    if summary is None:
+        if len(_scanned) > 4096:
+            _scanned.clear()
+        summary = _scanned[raw] = scan(raw)
+    return summary
+
 def check(raw: bytes, summary: PropertySummary) -> None:
     """Refuse properties whose headers table does not decode (``scan`` checked the rest).
 
