@@ -315,7 +315,8 @@ def test_the_node_start_empties_what_a_previous_run_spilled(small_budget: Path) 
     q = Queue("q", "/")
     fill(q, 300)
     assert segment_files(small_budget)
-    paging.configure(10 * (BODY + paging.MESSAGE_BYTES), 0, str(small_budget))  # as a restarted node does: never reloaded
+    # As a restarted node does: never reloaded.
+    paging.configure(10 * (BODY + paging.MESSAGE_BYTES), 0, str(small_budget))
     assert segment_files(small_budget) == []
 
 
