@@ -64,6 +64,17 @@ log = logging.getLogger("leveret.store")
 # How long a claim waits for a row lock before it ends a stalled holder's session.
 CLAIM_PATIENCE = 0.3
 ACQUIRE_TIMEOUT = 10.0  # seconds to wait for a pooled connection before failing a call
+# A commit (including the wait for a pooled connection) that takes longer fails: its
+# publishes are nacked and its connection is dropped and made again. A server that
+# accepts TCP but never answers (a hung backend, a middlebox that ACKs for a dead
+# host, bench/chaos_proxy.py's blackhole) defeats tcp_user_timeout and keepalives,
+# since every byte is acknowledged: without a bound the commit, and every confirm
+# behind it, waited for the whole outage (bench.chaos, 30 s outage: 126 publishes
+# unanswered past the client's 10 s confirm timeout). A healthy commit takes
+# milliseconds here (group commits of a few hundred messages); 5 s leaves room for
+# a loaded server and large bodies, and stays under the 10 s confirm timeouts
+# clients commonly use, so the publisher sees a nack rather than a timeout.
+DEFAULT_COMMIT_TIMEOUT = 5.0
 
 _MESSAGE_COLUMNS = (
     'vhost, queue, "offset", message_id, exchange, routing_key, properties, body, '
@@ -125,9 +136,13 @@ def binding_arguments_key(arguments: FieldTable | None) -> str:
 class PostgresStore:
     """MessageStore on PostgreSQL."""
 
-    def __init__(self, dsn: str, pool_size: int = 4, *, connect_timeout: float = DEFAULT_CONNECT_TIMEOUT) -> None:
+    def __init__(self, dsn: str, pool_size: int = 4, *, connect_timeout: float = DEFAULT_CONNECT_TIMEOUT,
+                 commit_timeout: float = DEFAULT_COMMIT_TIMEOUT) -> None:
         if pool_size < 1:
             raise ValueError("pool_size must be at least 1")
+        if commit_timeout < 0:
+            raise ValueError("commit_timeout must be 0 (no limit) or more")
+        self._commit_timeout = commit_timeout
         self._dsn = dsn
         self._pool_size = pool_size
         self._connect_timeout = connect_timeout
@@ -565,14 +580,50 @@ class PostgresStore:
     async def _commit_one(self, batch: Batch) -> None:
         with self._guard(f"committing a batch of {len(batch)}"):
             try:
-                await self._commit(batch, idempotent=False)
+                await self._bounded_commit(batch, idempotent=False)
             except psycopg.errors.UniqueViolation:
                 # Some appends are stored already: a retry of a batch whose commit did
                 # reach the server. Apply it again, skipping the messages it holds.
-                await self._commit(batch, idempotent=True)
+                await self._bounded_commit(batch, idempotent=True)
 
-    async def _commit(self, batch: Batch, *, idempotent: bool) -> None:
+    async def _bounded_commit(self, batch: Batch, *, idempotent: bool) -> None:
+        """``_commit`` within ``commit_timeout`` (see DEFAULT_COMMIT_TIMEOUT), else StoreError.
+
+        Cancelling the commit alone is no way out: the transaction's exit then
+        sends ROLLBACK to the server that does not answer, and waits again. So
+        the connection's socket is closed first (the pool discards a closed
+        connection and makes a new one), then the commit is cancelled: it fails
+        at once. Whether the server committed is unknown (COMMIT may have been
+        applied with its answer lost); the publishes are nacked either way, and
+        a batch applied again skips what it holds (``idempotent``).
+        """
+        if not self._commit_timeout:
+            await self._commit(batch, idempotent=idempotent)
+            return
+        used: list[psycopg.AsyncConnection[Any]] = []
+        task = asyncio.ensure_future(self._commit(batch, idempotent=idempotent, used=used))
+        try:
+            done, _ = await asyncio.wait({task}, timeout=self._commit_timeout)
+        except asyncio.CancelledError:
+            task.cancel()
+            raise
+        if done:
+            task.result()
+            return
+        for conn in used:
+            conn.pgconn.finish()  # closes the socket without a round trip
+        task.cancel()
+        await asyncio.wait({task}, timeout=1.0)  # it ends at once on a closed connection; never wait for more
+        if task.done() and not task.cancelled():
+            task.exception()  # retrieved: the failure is the timeout, reported below
+        raise StoreError(f"{self.description}: commit did not finish within {self._commit_timeout:g}s; "
+                         "its connection was dropped (the server may or may not have applied it)")
+
+    async def _commit(self, batch: Batch, *, idempotent: bool,
+                      used: list[psycopg.AsyncConnection[Any]] | None = None) -> None:
         async with self._connection() as conn, conn.transaction():
+            if used is not None:
+                used.append(conn)
             cur = conn.cursor()
             for sql, rows in _topology_statements(batch.topology):
                 await cur.executemany(sql, rows)
