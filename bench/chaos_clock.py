@@ -28,7 +28,12 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
-LIBFAKETIME = Path("/usr/lib/x86_64-linux-gnu/faketime/libfaketime.so.1")
+# The synchronized build. The plain libfaketime.so.1 re-reads the offset file without a lock, from
+# every thread of the node (gRPC's, asyncio.to_thread's); libfaketime's issues #151 and #547 report
+# processes dying at random of that race, its MT build being the remedy. The first 100-cycle run with
+# the plain build lost two nodes to SIGABRT with nothing logged, one of them nowhere near a fault of
+# its store (the other right after a commit timeout: persistence/postgres.py::_shut_down).
+LIBFAKETIME = Path("/usr/lib/x86_64-linux-gnu/faketime/libfaketimeMT.so.1")
 CACHE_S = 1  # FAKETIME_CACHE_DURATION: how late a step may take effect in the node
 STEPS = (3600.0, -3600.0, 86400.0, -86400.0)  # +1 h, -1 h, +1 day, -1 day
 

@@ -30,6 +30,7 @@ import json
 import logging
 import math
 import re
+import socket
 import time
 from collections.abc import AsyncIterator, Iterator, Sequence
 from typing import Any
@@ -591,11 +592,15 @@ class PostgresStore:
 
         Cancelling the commit alone is no way out: the transaction's exit then
         sends ROLLBACK to the server that does not answer, and waits again. So
-        the connection's socket is closed first (the pool discards a closed
-        connection and makes a new one), then the commit is cancelled: it fails
-        at once. Whether the server committed is unknown (COMMIT may have been
-        applied with its answer lost); the publishes are nacked either way, and
-        a batch applied again skips what it holds (``idempotent``).
+        the connection's socket is shut down first: libpq sees the connection
+        end, the commit fails at once, and the pool discards the broken
+        connection and makes a new one. Shut down, not closed: closing the fd
+        under the event loop that watches it made uvloop's libuv abort the
+        process (SIGABRT on its epoll_ctl; bench.chaos saw a node die right
+        after a commit timeout); psycopg closes it itself on its error path.
+        Whether the server committed is unknown (COMMIT may have been applied
+        with its answer lost); the publishes are nacked either way, and a batch
+        applied again skips what it holds (``idempotent``).
         """
         if not self._commit_timeout:
             await self._commit(batch, idempotent=idempotent)
@@ -610,12 +615,14 @@ class PostgresStore:
         if done:
             task.result()
             return
+        task.add_done_callback(_retrieve)  # its own failure is the timeout's consequence, reported below
         for conn in used:
-            conn.pgconn.finish()  # closes the socket without a round trip
-        task.cancel()
-        await asyncio.wait({task}, timeout=1.0)  # it ends at once on a closed connection; never wait for more
-        if task.done() and not task.cancelled():
-            task.exception()  # retrieved: the failure is the timeout, reported below
+            _shut_down(conn)
+        if not used:  # still waiting for a pooled connection: nothing to break, cancel it
+            task.cancel()
+        done, _ = await asyncio.wait({task}, timeout=1.0)  # ends at once on a shut connection
+        if not done:
+            task.cancel()
         raise StoreError(f"{self.description}: commit did not finish within {self._commit_timeout:g}s; "
                          "its connection was dropped (the server may or may not have applied it)")
 
@@ -748,6 +755,21 @@ class PostgresStore:
 # several connections (at most one part per SPLIT_PART_BYTES, at most the pool).
 SPLIT_MIN_BYTES = 2 * 1024 * 1024
 SPLIT_PART_BYTES = 1024 * 1024
+
+
+def _shut_down(conn: psycopg.AsyncConnection[Any]) -> None:
+    """Shut the connection's socket down both ways, without closing its fd (see _bounded_commit)."""
+    with contextlib.suppress(Exception):  # already closed or broken: nothing left to break
+        sock = socket.fromfd(conn.pgconn.socket, socket.AF_INET, socket.SOCK_STREAM)  # a dup of the fd
+        try:
+            sock.shutdown(socket.SHUT_RDWR)
+        finally:
+            sock.close()  # the dup only
+
+
+def _retrieve(task: asyncio.Future[None]) -> None:
+    if not task.cancelled():
+        task.exception()
 
 
 def _split(batch: Batch, connections: int) -> list[Batch]:
