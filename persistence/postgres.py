@@ -594,10 +594,12 @@ class PostgresStore:
         sends ROLLBACK to the server that does not answer, and waits again. So
         the connection's socket is shut down first: libpq sees the connection
         end, the commit fails at once, and the pool discards the broken
-        connection and makes a new one. Shut down, not closed: closing the fd
-        under the event loop that watches it made uvloop's libuv abort the
-        process (SIGABRT on its epoll_ctl; bench.chaos saw a node die right
-        after a commit timeout); psycopg closes it itself on its error path.
+        connection and makes a new one. Shut down, not closed: an fd closed
+        under the event loop that watches it is what libuv (uvloop) meets with
+        abort() when its epoll_ctl fails unexpectedly, and bench.chaos lost a
+        node to a silent SIGABRT right after a commit timeout that closed it
+        (not reproduced alone: 90 timeouts in a row did not crash); psycopg
+        closes the fd itself on its error path.
         Whether the server committed is unknown (COMMIT may have been applied
         with its answer lost); the publishes are nacked either way, and a batch
         applied again skips what it holds (``idempotent``).
