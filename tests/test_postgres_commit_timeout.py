@@ -17,6 +17,7 @@ from psycopg.conninfo import conninfo_to_dict, make_conninfo
 
 from bench.chaos_proxy import Proxy
 from core.ports.store import Batch, StoredMessage, StoreError
+from persistence import postgres
 from persistence.postgres import PostgresStore
 
 VHOST = "/"
@@ -66,6 +67,10 @@ async def test_commit_to_a_silent_server_fails_within_the_timeout_and_the_store_
             except StoreError:
                 assert time.monotonic() < deadline, "the store did not recover within 30s of the heal"
                 await asyncio.sleep(0.2)
+        # The commit given up on ended too (held until then, never collected while pending).
+        while postgres._ABANDONED:
+            assert time.monotonic() < deadline, f"{len(postgres._ABANDONED)} abandoned commits still pending"
+            await asyncio.sleep(0.1)
         stored = {m.offset for m in await store.load_messages(VHOST, "q")}
         # Message 2's outcome is unknown by nature (its bytes were held, then may have
         # reached the server); 1 and 3 were confirmed and must be there.
@@ -85,3 +90,23 @@ async def test_commit_timeout_zero_means_no_limit(postgres_db: str) -> None:
         await store.close()
     with pytest.raises(ValueError):
         PostgresStore(postgres_db, commit_timeout=-1)
+
+
+async def test_a_frozen_loop_does_not_time_out_commits_the_server_finished(postgres_db: str) -> None:
+    """A node resumed after a pause (SIGSTOP) finds the timeout overdue before it has read the answers."""
+    store = PostgresStore(postgres_db, pool_size=4, commit_timeout=0.3)
+    await store.open()
+    try:
+        epochs = {(VHOST, "q"): await store.claim(VHOST, "q")}
+        offsets = iter(range(1, 1000))
+
+        async def freeze() -> None:
+            await asyncio.sleep(0.005)  # the commits are on the wire
+            time.sleep(0.5)  # noqa: ASYNC251 - the point: the loop stands still past the timeout
+
+        for _ in range(4):
+            await asyncio.gather(freeze(), *(store.commit(Batch(epochs=epochs, appends=[message(next(offsets))]))
+                                             for _ in range(6)))
+        assert len(await store.load_messages(VHOST, "q")) == 24
+    finally:
+        await store.close()
