@@ -13,7 +13,9 @@ reach it. A confirmed publisher and an acking consumer run on every node
 * ``stop``: SIGSTOP of a node for twice the lease TTL (its queues move), SIGCONT;
 * ``etcd``: etcd restarted (SIGTERM or kill -9 at random);
 * ``pg``: Postgres restarted (fast shutdown) or unreachable (blackholed) for ``--pg-outage`` s;
-* ``partition``: a node cut off from etcd and from its peers (both ways) for three lease TTLs.
+* ``partition``: a node cut off from etcd and from its peers (both ways) for three lease TTLs;
+* ``clock``: a node's wall clock stepped by +-1 h or +-1 day for three lease TTLs, then back
+  (libfaketime, bench/chaos_clock.py; the monotonic clock stays real, as in an NTP step).
 
 After each cycle the load runs ``--duration-per-cycle`` s without a fault. At the end
 every fault is healed, publishing stops, consumers drain, and bench/chaos_check.py
@@ -40,18 +42,19 @@ from typing import Any, TypeVar
 
 from psycopg.conninfo import make_conninfo
 
-from bench.chaos_check import Result, check, serving_intervals, worst_gap
+from bench import chaos_clock
+from bench.chaos_check import Result, check, log_time, serving_intervals, worst_gap
 from bench.chaos_disk import report_lines, run_disk
 from bench.chaos_load import Load
 from bench.chaos_pg import PgPair
 from bench.chaos_proxy import Proxy
 from compat_tests.cluster_process import Cluster, ClusterNode
 
-FAULTS = ("kill", "stop", "etcd", "pg", "partition", "promote", "disk")
-CYCLE_FAULTS = FAULTS[:5]  # drawn at random each cycle
+FAULTS = ("kill", "stop", "etcd", "pg", "partition", "clock", "promote", "disk")
+CYCLE_FAULTS = FAULTS[:6]  # drawn at random each cycle
 # promote (the Postgres primary replaced by its standby) runs once, after the cycles;
 # disk is a single-node scenario of its own (bench/chaos_disk.py).
-CLUSTER_FAULTS = FAULTS[:6]
+CLUSTER_FAULTS = FAULTS[:7]
 QUEUES = [f"chaos-{i}" for i in range(6)]
 REPORT = Path(__file__).resolve().parent.parent / "docs" / "RELIABILITY.md"
 DRAIN_TIMEOUT = 60.0
@@ -86,6 +89,7 @@ class ChaosNode(ClusterNode):
     etcd_proxy: Proxy
     pg_proxy: Proxy
     peer_proxy: Proxy  # peers dial this to reach the node's cluster port
+    clock: chaos_clock.FakeClock | None = None  # the node's wall clock, when the clock fault is on
 
     def command(self) -> list[str]:
         cmd = super().command()
@@ -102,12 +106,13 @@ class ChaosNode(ClusterNode):
 
 
 class ChaosCluster(Cluster):
-    def __init__(self, bg: Background, pg_server: PgPair, **kw: Any) -> None:
+    def __init__(self, bg: Background, pg_server: PgPair, fake_clocks: bool = False, **kw: Any) -> None:
         super().__init__(postgres_dsn=pg_server.dsn, **kw)
         self.bg = bg
         self.pg_server = pg_server
         self.proxies: list[Proxy] = []
         self.pids: set[int] = set()  # every node process ever started: who the peer proxies tell apart
+        self.fake_clocks = fake_clocks
 
     def _proxy(self, name: str, target: int, attribute: bool) -> Proxy:
         async def make() -> Proxy:
@@ -125,6 +130,9 @@ class ChaosCluster(Cluster):
         node.etcd_proxy = self._proxy(f"etcd<-{node_id}", int(self.etcd.url.rsplit(":", 1)[1]), False)
         node.pg_proxy = self._proxy(f"pg<-{node_id}", self.pg_server.port, False)
         node.peer_proxy = self._proxy(f"peers->{node_id}", 0, True)
+        if self.fake_clocks:
+            node.clock = chaos_clock.FakeClock(self.workdir / f"{node_id}.faketime")
+            node.extra_env = node.clock.env()
         self.nodes[node_id] = node
         if start:
             node.start()
@@ -160,6 +168,7 @@ class Chaos:
         self.pg = PgPair(standby="promote" in args.faults, sync_standby=args.sync_standby)
         self.cluster: ChaosCluster | None = None
         self.load: Load | None = None
+        self.stepped_lines = 0  # node log lines stamped with a stepped wall clock: the step took effect
 
     def log(self, what: str) -> None:
         print(f"[chaos {time.strftime('%H:%M:%S')}] {what}", flush=True)
@@ -167,7 +176,8 @@ class Chaos:
     # -- life cycle ----------------------------------------------------------------------------
     def setup(self) -> ChaosCluster:
         self.pg.create()
-        c = ChaosCluster(self.bg, self.pg, size=3, lease_ttl=self.args.lease_ttl, keep_workdir=self.args.keep)
+        c = ChaosCluster(self.bg, self.pg, fake_clocks="clock" in self.args.faults, size=3,
+                         lease_ttl=self.args.lease_ttl, keep_workdir=self.args.keep)
         self.cluster = c
         c.start()
         for n in c.nodes.values():
@@ -218,7 +228,7 @@ class Chaos:
         node_id = self.rng.choice(sorted(c.nodes))
         node = self._node(node_id)
         ttl = self.args.lease_ttl
-        fault = Fault(kind, node_id if kind in ("kill", "stop", "partition") else "-", time.time())
+        fault = Fault(kind, node_id if kind in ("kill", "stop", "partition", "clock") else "-", time.time())
         self.log(f"fault {kind} {fault.node}")
         if kind == "kill":
             node.kill()
@@ -272,6 +282,16 @@ class Chaos:
             time.sleep(hold)
             self.bg.call(heal)
             fault.variant, fault.hold = "cut off from etcd and peers (blackholed)", hold
+        elif kind == "clock":
+            assert node.clock is not None
+            offset = self.rng.choice(chaos_clock.STEPS)
+            hold = 3 * ttl + self.rng.uniform(0, 2)
+            node.clock.step(offset)
+            time.sleep(chaos_clock.CACHE_S + 0.5)
+            self._poke(node)  # a "connection opened" line stamped with the stepped clock: proof it took effect
+            time.sleep(max(0.0, hold - chaos_clock.CACHE_S - 0.5))
+            node.clock.step(0.0)  # stepped back, as NTP does once it sees the error
+            fault.variant, fault.hold = f"wall clock {offset / 3600:+g} h, then back", hold
         elif kind == "promote":
             assert self.pg.standby is not None
             self.pg.primary.kill()
@@ -284,6 +304,12 @@ class Chaos:
         fault.end = time.time()
         self.run.faults.append(fault)
         return fault
+
+    def _poke(self, node: ClusterNode) -> None:
+        import pika
+
+        with contextlib.suppress(Exception):
+            pika.BlockingConnection(pika.URLParameters(node.url)).close()
 
     def _start(self, node: ClusterNode) -> None:
         """Start a node again; a start that fails (a port taken meanwhile) is retried on fresh ports."""
@@ -348,6 +374,14 @@ class Chaos:
         self.bg.run(load.close(), 60)
         ended = time.time()
         records = {n: node.log_records() for n, node in c.nodes.items()}  # type: ignore[attr-defined]
+        for n, recs in records.items():
+            clock = self._node(n).clock
+            if clock is not None and clock.steps:  # the node logged its faked wall clock
+                real = clock.real_times([log_time(str(r.get("ts", ""))) for r in recs])
+                for r, t in zip(recs, real, strict=True):
+                    r["real_ts"] = t
+                    if abs(log_time(str(r.get("ts", ""))) - t) > 60:
+                        self.stepped_lines += 1
         intervals = serving_intervals(records, self.run.kills, set(QUEUES), ended)
         result = check(load.record, intervals, self.run.pauses, self.run.crashes, grace=float(args.lease_ttl))
         gap = worst_gap(load.record, QUEUES, started, stopped)
@@ -423,6 +457,8 @@ def report(chaos: Chaos, result: Result) -> str:
         f"- deliveries {f['delivered']:.0f} ({f['distinct_delivered']:.0f} distinct messages, "
         f"{f['duplicates']:.0f} duplicates, {f['redelivered']:.0f} with redelivered set)",
         f"- queue ownership spans seen in the node logs: {f['serving_spans']:.0f}",
+        *([f"- node log lines stamped with a stepped wall clock (the step took effect): {chaos.stepped_lines}"]
+          if "clock" in a.faults else []),
         f"- worst failover (longest time a queue had no delivery): {chaos.gap[0]:.1f} s ({chaos.gap[1]})",
         "- node log lines at level error: "
         + ", ".join(f"{n} {v['error']}" for n, v in sorted(chaos.log_counts.items()))

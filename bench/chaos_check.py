@@ -61,7 +61,8 @@ def serving_intervals(records: Mapping[str, Sequence[Mapping[str, object]]], end
         proc_ends = iter(sorted(ends.get(node, [])))
         next_end = next(proc_ends, run_end)
         for r in recs:
-            t = log_time(str(r.get("ts", "")))
+            # real_ts: the line's real time where the node's wall clock was faked (bench/chaos_clock.py)
+            t = float(r["real_ts"]) if "real_ts" in r else log_time(str(r.get("ts", "")))  # type: ignore[arg-type]
             while t > next_end:  # the process ended (killed) before this line: close what it served
                 for q, s in open_.items():
                     out.append(Interval(node, q, s, next_end))

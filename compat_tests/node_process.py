@@ -88,6 +88,7 @@ class NodeProcess:
         return self.proc.pid
 
     name = "leveret node"
+    extra_env: dict[str, str] = {}  # noqa: RUF012 - replaced, never mutated: what a subclass adds (libfaketime)
 
     def command(self) -> list[str]:
         return serve_command(self.amqp_port, self.grpc_port, self.data_dir, self.store_args, self.management_port)
@@ -101,7 +102,8 @@ class NodeProcess:
         self.stderr_path = self.log_dir / f"node-{self.starts}.stderr"
         with open(self.log_dir / f"node-{self.starts}.stdout", "wb") as out, open(self.stderr_path, "wb") as err:
             self.proc = subprocess.Popen(
-                self.command(), cwd=REPO_ROOT, stdout=out, stderr=err, stdin=subprocess.DEVNULL, env=node_env()
+                self.command(), cwd=REPO_ROOT, stdout=out, stderr=err, stdin=subprocess.DEVNULL,
+                env={**node_env(), **self.extra_env},
             )
 
     def wait_ready(self, timeout: float = STARTUP_TIMEOUT) -> None:

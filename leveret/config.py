@@ -25,6 +25,7 @@ class NodeConfig:
     max_message_size: int = 128 * 1024 * 1024
     store: str = "sqlite"
     postgres_dsn: str = ""
+    postgres_commit_timeout: float = 5.0
     memory_high_watermark: float = 0.4
     disk_free_limit: str = "50MB"
     stream_memory_bytes: int = 64 * 1024 * 1024
@@ -90,6 +91,8 @@ HELP = {
     "max_message_size": "largest message body in bytes",
     "store": "message store: sqlite (a file in --data-dir) or postgres (--postgres-dsn)",
     "postgres_dsn": "Postgres connection string for --store postgres, e.g. postgresql://user:pw@host/db",
+    "postgres_commit_timeout": "seconds a store commit may take before it fails (its publishes nacked, its "
+    "connection dropped and made again); 0: no limit",
     "memory_high_watermark": "block publishers when messages waiting in queues take more than this: a fraction "
     "of RAM (<= 1) or bytes (> 1)",
     "disk_free_limit": "block publishers when the data dir's disk has less free space than this, as RabbitMQ's "

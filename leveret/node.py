@@ -440,7 +440,7 @@ def make_store(cfg: NodeConfig) -> MessageStore:
             raise StoreError("--store postgres needs --postgres-dsn (or LEVERET_POSTGRES_DSN)")
         from persistence.postgres import PostgresStore
 
-        return PostgresStore(cfg.postgres_dsn)
+        return PostgresStore(cfg.postgres_dsn, commit_timeout=cfg.postgres_commit_timeout)
     raise StoreError(f"unknown store {cfg.store!r}; use sqlite or postgres")
 
 

@@ -30,6 +30,7 @@ import json
 import logging
 import math
 import re
+import socket
 import time
 from collections.abc import AsyncIterator, Iterator, Sequence
 from typing import Any
@@ -64,6 +65,17 @@ log = logging.getLogger("leveret.store")
 # How long a claim waits for a row lock before it ends a stalled holder's session.
 CLAIM_PATIENCE = 0.3
 ACQUIRE_TIMEOUT = 10.0  # seconds to wait for a pooled connection before failing a call
+# A commit (including the wait for a pooled connection) that takes longer fails: its
+# publishes are nacked and its connection is dropped and made again. A server that
+# accepts TCP but never answers (a hung backend, a middlebox that ACKs for a dead
+# host, bench/chaos_proxy.py's blackhole) defeats tcp_user_timeout and keepalives,
+# since every byte is acknowledged: without a bound the commit, and every confirm
+# behind it, waited for the whole outage (bench.chaos, 30 s outage: 126 publishes
+# unanswered past the client's 10 s confirm timeout). A healthy commit takes
+# milliseconds here (group commits of a few hundred messages); 5 s leaves room for
+# a loaded server and large bodies, and stays under the 10 s confirm timeouts
+# clients commonly use, so the publisher sees a nack rather than a timeout.
+DEFAULT_COMMIT_TIMEOUT = 5.0
 
 _MESSAGE_COLUMNS = (
     'vhost, queue, "offset", message_id, exchange, routing_key, properties, body, '
@@ -125,9 +137,13 @@ def binding_arguments_key(arguments: FieldTable | None) -> str:
 class PostgresStore:
     """MessageStore on PostgreSQL."""
 
-    def __init__(self, dsn: str, pool_size: int = 4, *, connect_timeout: float = DEFAULT_CONNECT_TIMEOUT) -> None:
+    def __init__(self, dsn: str, pool_size: int = 4, *, connect_timeout: float = DEFAULT_CONNECT_TIMEOUT,
+                 commit_timeout: float = DEFAULT_COMMIT_TIMEOUT) -> None:
         if pool_size < 1:
             raise ValueError("pool_size must be at least 1")
+        if commit_timeout < 0:
+            raise ValueError("commit_timeout must be 0 (no limit) or more")
+        self._commit_timeout = commit_timeout
         self._dsn = dsn
         self._pool_size = pool_size
         self._connect_timeout = connect_timeout
@@ -565,14 +581,77 @@ class PostgresStore:
     async def _commit_one(self, batch: Batch) -> None:
         with self._guard(f"committing a batch of {len(batch)}"):
             try:
-                await self._commit(batch, idempotent=False)
+                await self._bounded_commit(batch, idempotent=False)
             except psycopg.errors.UniqueViolation:
                 # Some appends are stored already: a retry of a batch whose commit did
                 # reach the server. Apply it again, skipping the messages it holds.
-                await self._commit(batch, idempotent=True)
+                await self._bounded_commit(batch, idempotent=True)
 
-    async def _commit(self, batch: Batch, *, idempotent: bool) -> None:
+    async def _bounded_commit(self, batch: Batch, *, idempotent: bool) -> None:
+        """``_commit`` within ``commit_timeout`` (see DEFAULT_COMMIT_TIMEOUT), else StoreError.
+
+        Cancelling the commit alone is no way out: the transaction's exit then
+        sends ROLLBACK to the server that does not answer, and waits again. So
+        the connection's socket is shut down first: libpq sees the connection
+        end, the commit fails at once, and the pool discards the broken
+        connection and makes a new one. Shut down, not closed: an fd closed
+        under the event loop that watches it is what libuv (uvloop) meets with
+        abort() when its epoll_ctl fails unexpectedly, and bench.chaos lost a
+        node to a silent SIGABRT right after a commit timeout that closed it
+        (not reproduced alone: 90 timeouts in a row did not crash); psycopg
+        closes the fd itself on its error path.
+        Whether the server committed is unknown (COMMIT may have been applied
+        with its answer lost); the publishes are nacked either way, and a batch
+        applied again skips what it holds (``idempotent``).
+        """
+        if not self._commit_timeout:
+            await self._commit(batch, idempotent=idempotent)
+            return
+        used: list[psycopg.AsyncConnection[Any]] = []
+        task = asyncio.ensure_future(self._commit(batch, idempotent=idempotent, used=used))
+        try:
+            done, _ = await asyncio.wait({task}, timeout=self._commit_timeout)
+            if not done:
+                # A process resumed after a pause (SIGSTOP, a VM freeze) finds its timer overdue
+                # before it has read the answers that came meanwhile: a few more loop turns for
+                # them, so a commit the server finished is not nacked (a frozen-loop test of
+                # 0.7 s against a 0.5 s timeout gave up on 11 of 48 commits without this, 0 with it).
+                done, _ = await asyncio.wait({task}, timeout=0.1)
+        except asyncio.CancelledError:
+            _abandon(task)
+            task.cancel()
+            raise
+        if done:
+            task.result()
+            return
+        # Held until it ends: the loop keeps only weak references to tasks, and a pending one
+        # collected inside the pool's context manager never gives its connection back (bench.chaos
+        # logged "Task was destroyed but it is pending!" and "aclose(): asynchronous generator is
+        # already running" a few seconds after timeouts). Its failure is the timeout's, reported below.
+        _abandon(task)
+        for conn in used:  # empty once the transaction is over: a finished commit's connection is left alone
+            _shut_down(conn)
+        if not used:  # still waiting for a pooled connection: nothing to break, cancel it
+            task.cancel()
+        done, _ = await asyncio.wait({task}, timeout=1.0)  # ends at once on a shut connection
+        if not done:
+            task.cancel()
+        raise StoreError(f"{self.description}: commit did not finish within {self._commit_timeout:g}s; "
+                         "its connection was dropped (the server may or may not have applied it)")
+
+    async def _commit(self, batch: Batch, *, idempotent: bool,
+                      used: list[psycopg.AsyncConnection[Any]] | None = None) -> None:
+        try:
+            await self._commit_in(batch, idempotent, used)
+        finally:
+            if used is not None:
+                used.clear()  # the connection is back in the pool: no longer this commit's to break
+
+    async def _commit_in(self, batch: Batch, idempotent: bool,
+                         used: list[psycopg.AsyncConnection[Any]] | None) -> None:
         async with self._connection() as conn, conn.transaction():
+            if used is not None:
+                used.append(conn)
             cur = conn.cursor()
             for sql, rows in _topology_statements(batch.topology):
                 await cur.executemany(sql, rows)
@@ -697,6 +776,31 @@ class PostgresStore:
 # several connections (at most one part per SPLIT_PART_BYTES, at most the pool).
 SPLIT_MIN_BYTES = 2 * 1024 * 1024
 SPLIT_PART_BYTES = 1024 * 1024
+
+
+def _shut_down(conn: psycopg.AsyncConnection[Any]) -> None:
+    """Shut the connection's socket down both ways, without closing its fd (see _bounded_commit)."""
+    with contextlib.suppress(Exception):  # already closed or broken: nothing left to break
+        sock = socket.fromfd(conn.pgconn.socket, socket.AF_INET, socket.SOCK_STREAM)  # a dup of the fd
+        try:
+            sock.shutdown(socket.SHUT_RDWR)
+        finally:
+            sock.close()  # the dup only
+
+
+# Commits given up on by the timeout, until they end (see PostgresStore._bounded_commit).
+_ABANDONED: set[asyncio.Future[None]] = set()
+
+
+def _abandon(task: asyncio.Future[None]) -> None:
+    _ABANDONED.add(task)
+    task.add_done_callback(_settle)
+
+
+def _settle(task: asyncio.Future[None]) -> None:
+    _ABANDONED.discard(task)
+    if not task.cancelled():
+        task.exception()  # retrieved: the commit's failure was reported as the timeout
 
 
 def _split(batch: Batch, connections: int) -> list[Batch]:

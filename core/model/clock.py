@@ -54,6 +54,16 @@ def call_contained(fn: Callable[..., None], *args: object) -> None:
                   extra={"callback": name, "failures": callback_failures[name]})
 
 
+# One anchor for the process, so every queue's scheduler agrees (see AsyncioScheduler).
+_WALL0 = time.time()
+_MONO0 = time.monotonic()
+
+
+def steady_wall_time() -> float:
+    """Wall-clock seconds that a step of the system clock after start-up does not move."""
+    return _WALL0 + (time.monotonic() - _MONO0)
+
+
 class TimerHandle(Protocol):
     def cancel(self) -> None: ...
 
@@ -72,10 +82,22 @@ class _NoTimer:
 
 
 class AsyncioScheduler:
-    """Timers on the running loop; without one (plain unit tests) timers never fire."""
+    """Timers on the running loop; without one (plain unit tests) timers never fire.
+
+    ``now()`` is the wall clock read once, when the process started, moved on by the
+    monotonic clock since: wall-clock seconds (what the store keeps as a
+    message's expiry, so a restarted node or a queue's next owner compares it
+    with its own wall clock, as RabbitMQ does) that an NTP step or an operator's
+    ``date -s`` does not move. RabbitMQ reads the OS wall clock for every expiry
+    check, so a step of +1 h expires every message with a TTL under an hour at
+    once and a step of -1 h holds expired messages an hour longer; the chaos
+    suite's clock fault (bench/chaos_clock.py) showed Leveret doing the same
+    before this. CLOCK_MONOTONIC is slewed by NTP like the wall clock, only never
+    stepped, so the two agree but for steps taken while the node runs.
+    """
 
     def now(self) -> float:
-        return time.time()
+        return steady_wall_time()
 
     def call_later(self, delay: float, fn: Callable[[], None]) -> TimerHandle:
         try:
