@@ -15,7 +15,10 @@ import urllib.request
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from compat_tests.cluster_process import Cluster
 from urllib.parse import quote, urlsplit
 
 import pytest
@@ -119,3 +122,12 @@ def wait_http(mgmt: Mgmt) -> None:
 def leveret_only(mgmt: Mgmt) -> None:
     if not mgmt.leveret:
         pytest.skip("Leveret-only behaviour (the API runs against a real RabbitMQ)")
+
+
+def cluster_api(cluster: Cluster, node_id: str) -> Mgmt:
+    """The management API of one node of a test cluster, once it answers (a node's AMQP port opens
+    a moment before its HTTP one)."""
+    node = cluster.nodes[node_id]
+    mgmt = Mgmt(f"http://127.0.0.1:{node.management_port}", "guest", "guest", node.url, leveret=True)
+    wait_http(mgmt)
+    return mgmt

@@ -17,7 +17,7 @@ import pika
 import pytest
 
 from compat_tests.cluster_process import Cluster
-from compat_tests.mgmt_http import Mgmt, wait_http
+from compat_tests.mgmt_http import cluster_api as api
 from compat_tests.test_federation import X, named
 from compat_tests.test_shovel import drain
 from tests.etcd import EtcdServer
@@ -33,12 +33,6 @@ def cluster(etcd_server: EtcdServer) -> Iterator[Cluster]:
         yield c
         print(c.diagnostics())
 
-
-def api(cluster: Cluster, node_id: str) -> Mgmt:
-    node = cluster.nodes[node_id]
-    mgmt = Mgmt(f"http://127.0.0.1:{node.management_port}", "guest", "guest", node.url, leveret=True)
-    wait_http(mgmt)
-    return mgmt
 
 
 def links(cluster: Cluster, node_id: str) -> list[dict[str, Any]]:

@@ -13,7 +13,8 @@ import pika.exceptions
 import pytest
 
 from compat_tests.cluster_process import Cluster
-from compat_tests.mgmt_http import Mgmt, q, wait_http
+from compat_tests.mgmt_http import cluster_api as api
+from compat_tests.mgmt_http import q
 from compat_tests.util import assert_reply
 from tests.etcd import EtcdServer
 from tests.etcd import etcd_server_fixture as etcd_server_fixture  # the module-scoped `etcd_server`
@@ -28,12 +29,6 @@ def cluster(etcd_server: EtcdServer) -> Iterator[Cluster]:
     with throwaway_postgres() as dsn, Cluster(2, etcd=etcd_server, postgres_dsn=dsn, lease_ttl=2) as c:
         yield c
 
-
-def api(cluster: Cluster, node_id: str) -> Mgmt:
-    node = cluster.nodes[node_id]
-    mgmt = Mgmt(f"http://127.0.0.1:{node.management_port}", "guest", "guest", node.url, leveret=True)
-    wait_http(mgmt)
-    return mgmt
 
 
 def params(cluster: Cluster, node_id: str, user: str, vhost: str = "/") -> pika.URLParameters:

@@ -16,7 +16,7 @@ import pika
 import pytest
 
 from compat_tests.cluster_process import Cluster
-from compat_tests.mgmt_http import Mgmt, wait_http
+from compat_tests.mgmt_http import cluster_api as api
 from compat_tests.test_shovel import Broker, declare, drain
 from tests.etcd import EtcdServer
 from tests.etcd import etcd_server_fixture as etcd_server_fixture  # the module-scoped `etcd_server`
@@ -31,12 +31,6 @@ def cluster(etcd_server: EtcdServer) -> Iterator[Cluster]:
         yield c
         print(c.diagnostics())
 
-
-def api(cluster: Cluster, node_id: str) -> Mgmt:
-    node = cluster.nodes[node_id]
-    mgmt = Mgmt(f"http://127.0.0.1:{node.management_port}", "guest", "guest", node.url, leveret=True)
-    wait_http(mgmt)
-    return mgmt
 
 
 def runners(cluster: Cluster, node_id: str) -> list[str]:
