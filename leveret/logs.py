@@ -194,11 +194,38 @@ def loop_exception_handler(loop: asyncio.AbstractEventLoop, context: dict[str, A
     exc = context.get("exception")
     kind = type(exc).__name__ if exc is not None else "no-exception"
     loop_failures[kind] += 1
-    _loop_log.error(
-        "unhandled exception in the event loop; contained",
-        exc_info=exc if isinstance(exc, BaseException) else None,
-        extra={"context": str(context.get("message", "")), "failures": loop_failures[kind]},
-    )
+    extra: dict[str, Any] = {"context": str(context.get("message", "")), "failures": loop_failures[kind]}
+    where = suspended_at(context.get("task") or context.get("future"))
+    if where:
+        extra["where"] = where
+    _loop_log.error("unhandled exception in the event loop; contained",
+                    exc_info=exc if isinstance(exc, BaseException) else None, extra=extra)
+
+
+def suspended_at(task: object, depth: int = 8) -> str:
+    """Where a task is suspended, innermost frame first ("file:line function <- ..."), or "".
+
+    "Task was destroyed but it is pending!" carries no exception, so no traceback: without this the
+    log cannot say which code a collected task was waiting in (bench.chaos saw bursts of them after
+    Postgres faults). When the garbage collector has already closed the task's coroutine (it
+    finalizes the members of a cycle in no set order) only the coroutine's name is left.
+    """
+    if not isinstance(task, asyncio.Task):
+        return ""
+    coro: Any = task.get_coro()
+    name = getattr(coro, "__qualname__", "")
+    names: list[str] = []
+    # Follow the await chain (Task.get_stack gives only the outermost frame of a suspended
+    # coroutine); it ends at a future, or at an async generator's asend, which leads no further.
+    while coro is not None and len(names) < depth:
+        frame = getattr(coro, "cr_frame", None) or getattr(coro, "gi_frame", None)
+        if frame is None:
+            break
+        names.append(f"{frame.f_code.co_filename.rsplit('/', 1)[-1]}:{frame.f_lineno} {frame.f_code.co_name}")
+        coro = getattr(coro, "cr_await", None) or getattr(coro, "gi_yieldfrom", None)
+    if not names:
+        return f"{name} (frames already cleared)" if name else ""
+    return " <- ".join(reversed(names))
 
 
 def install(loop: asyncio.AbstractEventLoop | None = None) -> None:

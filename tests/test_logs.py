@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import io
 import json
 import logging
@@ -141,3 +142,35 @@ def test_debug_and_distinct_kinds_pass(captured: tuple[logging.Logger, io.String
     for i in range(20):
         logger.warning(f"distinct {i}")  # noqa: G004 - distinct templates on purpose
     assert len(lines(stream)) == 20
+
+
+def test_a_destroyed_pending_task_is_logged_with_what_it_was(caplog: pytest.LogCaptureFixture) -> None:
+    import gc
+
+    from leveret.logs import loop_exception_handler, suspended_at
+
+    async def waits_forever(fut: asyncio.Future[None]) -> None:
+        await fut
+
+    async def outer(fut: asyncio.Future[None]) -> None:
+        await waits_forever(fut)
+
+    loop = asyncio.new_event_loop()
+    loop.set_exception_handler(loop_exception_handler)
+    try:
+        fut = loop.create_future()
+        task = loop.create_task(outer(fut))
+        loop.run_until_complete(asyncio.sleep(0))
+        # A live suspended task: the whole chain, innermost first.
+        where = suspended_at(task)
+        assert where.startswith("test_logs.py:") and " waits_forever <- test_logs.py:" in where
+        assert where.endswith(" outer")
+        del fut, task  # nothing refers to the task now: it is collected while pending
+        with caplog.at_level(logging.ERROR, logger="leveret.loop"):
+            gc.collect()
+    finally:
+        loop.close()
+    destroyed = [r for r in caplog.records if getattr(r, "context", "") == "Task was destroyed but it is pending!"]
+    assert destroyed, [r.getMessage() for r in caplog.records]
+    # The collector may close the coroutine first: then its name is what is left, and is logged.
+    assert "outer" in destroyed[0].where
