@@ -311,6 +311,40 @@ def _kind(kind: str | None) -> int:
 
 
 # ---------------------------------------------------------------------- sync
+class _Doorbell:
+    """A socketpair whose read end is readable while something is pending: a subscriber's ``fileno()``
+    for select/poll or ``loop.add_reader`` (sync and async subscribers alike)."""
+
+    def __init__(self) -> None:
+        self._r, self._w = socket.socketpair()
+        self._r.setblocking(False)
+        self._w.setblocking(False)
+        self._rung = False
+
+    def ring(self) -> None:
+        if not self._rung:
+            self._rung = True
+            try:
+                self._w.send(b"x")
+            except OSError:
+                pass
+
+    def quiet(self) -> None:
+        if self._rung:
+            self._rung = False
+            try:
+                self._r.recv(64)
+            except OSError:
+                pass
+
+    def fileno(self) -> int:
+        return self._r.fileno()
+
+    def close(self) -> None:
+        self._r.close()
+        self._w.close()
+
+
 class _Pending:
     """Received items, a condition for get(), and a socketpair readable while any are pending."""
 
@@ -319,10 +353,7 @@ class _Pending:
         self.cond = threading.Condition()
         self.error: LeveretError | None = None
         self.ended = False
-        self._r, self._w = socket.socketpair()
-        self._r.setblocking(False)
-        self._w.setblocking(False)
-        self._signalled = False
+        self._bell = _Doorbell()
 
     def put_many(self, items: Iterable[Any]) -> None:
         with self.cond:
@@ -338,21 +369,12 @@ class _Pending:
             self.cond.notify_all()
 
     def _signal(self) -> None:
-        if not self._signalled:
-            self._signalled = True
-            try:
-                self._w.send(b"x")
-            except OSError:
-                pass
+        self._bell.ring()
 
     def _unsignal(self) -> None:
         # Called with the lock held once nothing is pending.
-        if self._signalled and not self.items and not self.ended:
-            self._signalled = False
-            try:
-                self._r.recv(64)
-            except OSError:
-                pass
+        if not self.items and not self.ended:
+            self._bell.quiet()
 
     def get(self, timeout: float | None) -> Any:
         deadline = None if timeout is None else time.monotonic() + timeout
@@ -385,11 +407,10 @@ class _Pending:
             return out
 
     def fileno(self) -> int:
-        return self._r.fileno()
+        return self._bell.fileno()
 
     def close(self) -> None:
-        self._r.close()
-        self._w.close()
+        self._bell.close()
 
 
 class _StreamReader:
@@ -827,10 +848,7 @@ class AsyncSubscriber:
         self._error: LeveretError | None = None
         self._ended = False
         self._closed = False
-        self._r, self._w = socket.socketpair()  # readable while a message is pending (fileno)
-        self._r.setblocking(False)
-        self._w.setblocking(False)
-        self._signalled = False
+        self._bell = _Doorbell()  # readable while a message is pending (fileno)
         self._task = asyncio.get_running_loop().create_task(self._run())
 
     async def _run(self) -> None:
@@ -883,20 +901,11 @@ class AsyncSubscriber:
 
     def _wake(self) -> None:
         self._event.set()
-        if not self._signalled:
-            self._signalled = True
-            try:
-                self._w.send(b"x")
-            except OSError:
-                pass
+        self._bell.ring()
 
     def _unsignal(self) -> None:
-        if self._signalled and not self._items and not self._ended:
-            self._signalled = False
-            try:
-                self._r.recv(64)
-            except OSError:
-                pass
+        if not self._items and not self._ended:
+            self._bell.quiet()
 
     @property
     def resubscribed(self) -> int:
@@ -905,7 +914,7 @@ class AsyncSubscriber:
 
     def fileno(self) -> int:
         """Readable while a message is pending (or the subscription ended): for ``loop.add_reader`` or select."""
-        return self._r.fileno()
+        return self._bell.fileno()
 
     async def get(self, timeout: float | None = None) -> Message | None:
         loop = asyncio.get_running_loop()
@@ -963,8 +972,7 @@ class AsyncSubscriber:
             await self._task
         except asyncio.CancelledError:
             pass
-        self._r.close()
-        self._w.close()
+        self._bell.close()
 
     async def __aenter__(self) -> Self:
         return self
