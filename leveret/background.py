@@ -1,10 +1,16 @@
-"""The node's background loops (polls of the store, rate sampling): how one is stopped."""
+"""The node's background loops (polls of the store, rate sampling): how one polls, how one is stopped."""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-from typing import Any
+import logging
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Any, TypeVar
+
+from core.ports.store import StoreError
+
+T = TypeVar("T")
 
 
 async def stop_task(task: asyncio.Task[Any] | None) -> None:
@@ -14,3 +20,26 @@ async def stop_task(task: asyncio.Task[Any] | None) -> None:
     task.cancel()
     with contextlib.suppress(asyncio.CancelledError):
         await task
+
+
+async def poll_store(read: Callable[[], Awaitable[T]], every: float, log: logging.Logger,
+                     unavailable: str) -> AsyncIterator[T | None]:
+    """Every ``every`` seconds, what ``read`` returns from the store, or None while it fails.
+
+    A failure (StoreError) is logged once per outage, as ``unavailable``: a store that is down
+    for minutes must not write a warning every poll. For the node's polls of what other nodes
+    change in the store (policies, runtime parameters).
+    """
+    failing = False
+    while True:
+        await asyncio.sleep(every)
+        try:
+            value = await read()
+        except StoreError as exc:
+            if not failing:
+                log.warning(unavailable, extra={"error": str(exc)})
+                failing = True
+            yield None
+            continue
+        failing = False
+        yield value

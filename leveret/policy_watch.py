@@ -16,8 +16,8 @@ import logging
 
 from core.engine.broker import Broker
 from core.model.policy import Policy
-from core.ports.store import MessageStore, StoreError
-from leveret.background import stop_task
+from core.ports.store import MessageStore
+from leveret.background import poll_store, stop_task
 
 log = logging.getLogger("leveret.policies")
 
@@ -44,18 +44,9 @@ class PolicyWatch:
         return {(p.vhost, p.operator, p.name): p for p in await self.store.load_policies()}
 
     async def _run(self) -> None:
-        failing = False
-        while True:
-            await asyncio.sleep(self.poll)
-            try:
-                current = await self._read()
-            except StoreError as exc:
-                if not failing:
-                    log.warning("policies unavailable from the store; retrying", extra={"error": str(exc)})
-                    failing = True
-                continue
-            failing = False
-            self.apply_changes(current)
+        async for current in poll_store(self._read, self.poll, log, "policies unavailable from the store; retrying"):
+            if current is not None:
+                self.apply_changes(current)
 
     def apply_changes(self, current: dict[Key, Policy]) -> None:
         seen = self._seen

@@ -21,7 +21,7 @@ import logging
 from typing import TYPE_CHECKING, Any, Protocol
 
 from core.ports.store import StoreError
-from leveret.background import stop_task
+from leveret.background import poll_store, stop_task
 from leveret.shovel.hold import Holder
 from leveret.shovel.spec import COMPONENT, ShovelError, ShovelSpec, parse, redact
 from leveret.shovel.worker import ShovelRunner
@@ -156,18 +156,9 @@ class ShovelManager:
         return {(v, c, n): value for v, c, n, value in await self.store.load_parameters()}
 
     async def _run(self) -> None:
-        failing = False
-        while True:
-            await asyncio.sleep(self.poll)
-            try:
-                current = await self._read()
-            except StoreError as exc:
-                if not failing:
-                    log.warning("runtime parameters unavailable from the store; retrying", extra={"error": str(exc)})
-                    failing = True
-                current = self._seen
-            else:
-                failing = False
+        async for read in poll_store(self._read, self.poll, log,
+                                     "runtime parameters unavailable from the store; retrying"):
+            current = self._seen if read is None else read
             for key, value in current.items():
                 if self._seen.get(key) != value:
                     self._apply(key, value)
