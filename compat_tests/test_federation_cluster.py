@@ -7,7 +7,6 @@ only the link away: every message confirmed upstream during the run arrives.
 
 from __future__ import annotations
 
-import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -20,6 +19,7 @@ from compat_tests.cluster_process import Cluster
 from compat_tests.mgmt_http import cluster_api as api
 from compat_tests.test_federation import X, named
 from compat_tests.test_shovel import drain
+from compat_tests.test_shovel_cluster import publish_across_kill9
 from tests.etcd import EtcdServer
 from tests.etcd import etcd_server_fixture as etcd_server_fixture  # the module-scoped `etcd_server`
 from tests.pg import throwaway_postgres
@@ -73,40 +73,15 @@ def test_link_runs_on_one_node_and_moves_when_it_dies(cluster: Cluster, tmp_path
 
         cluster.wait_for(lambda: upstream_consumers() == 1, "one consumer upstream (one node runs the link)")
 
-        confirmed: list[bytes] = []
-        stop = threading.Event()
-
-        def publisher() -> None:
-            c = pika.BlockingConnection(pika.URLParameters(up.node.url))
-            pch = c.channel()
-            pch.confirm_delivery()
-            i = 0
-            while not stop.is_set():
-                body = f"m{i}".encode()
-                pch.basic_publish(X, f"orders.{i % 5}", body, pika.BasicProperties(delivery_mode=2))
-                confirmed.append(body)
-                i += 1
-                time.sleep(0.002)
-            c.close()
+        def send(ch: Any, i: int, body: bytes) -> None:
+            ch.basic_publish(X, f"orders.{i % 5}", body, pika.BasicProperties(delivery_mode=2))
 
         # The binding reached upstream before publishing starts: what is confirmed from now on is routed there.
         deadline = time.monotonic() + 20
         while not any(link.get("bindings") for link in links(cluster, holder)) and time.monotonic() < deadline:
             time.sleep(0.1)
         time.sleep(0.5)
-        t = threading.Thread(target=publisher)
-        t.start()
-        try:
-            cluster.wait_for(lambda: len(confirmed) >= 300, "messages published before the kill", timeout=30)
-            cluster.kill(holder)  # kill -9 of the node running the link
-            started = time.monotonic()
-            cluster.wait_for(lambda: runners(cluster, other) == [other], "the link to move", timeout=30)
-            print(f"link moved from {holder} to {other} {time.monotonic() - started:.1f} s after the kill -9")
-            n = len(confirmed)
-            cluster.wait_for(lambda: len(confirmed) >= n + 300, "messages published after the move", timeout=30)
-        finally:
-            stop.set()
-            t.join(10)
+        confirmed = publish_across_kill9(cluster, up.node.url, send, holder, other, runners, "link")
         wanted = set(confirmed)
         got = drain(cluster.url(other), "got", lambda got: wanted <= set(got), timeout=60)
         assert not wanted - set(got), f"{len(wanted - set(got))} confirmed messages never arrived"

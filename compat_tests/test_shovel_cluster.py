@@ -9,8 +9,9 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import pika
 import pytest
@@ -31,6 +32,42 @@ def cluster(etcd_server: EtcdServer) -> Iterator[Cluster]:
         yield c
         print(c.diagnostics())
 
+
+
+def publish_across_kill9(cluster: Cluster, url: str, send: Callable[[Any, int, bytes], None], holder: str,
+                         other: str, runners: Callable[[Cluster, str], list[str]], what: str) -> list[bytes]:
+    """Publish with confirms through ``url`` from a thread (``send(channel, i, body)``), kill -9 ``holder``
+    after 300 are confirmed, wait until ``other`` runs ``what``, then 300 more: the confirmed bodies."""
+    confirmed: list[bytes] = []
+    stop = threading.Event()
+
+    def publisher() -> None:
+        c = pika.BlockingConnection(pika.URLParameters(url))
+        ch = c.channel()
+        ch.confirm_delivery()
+        i = 0
+        while not stop.is_set():
+            body = f"m{i}".encode()
+            send(ch, i, body)
+            confirmed.append(body)
+            i += 1
+            time.sleep(0.002)
+        c.close()
+
+    t = threading.Thread(target=publisher)
+    t.start()
+    try:
+        cluster.wait_for(lambda: len(confirmed) >= 300, "messages published before the kill", timeout=30)
+        cluster.kill(holder)  # kill -9 of the node running it
+        started = time.monotonic()
+        cluster.wait_for(lambda: runners(cluster, other) == [other], f"the {what} to move", timeout=30)
+        print(f"{what} moved from {holder} to {other} {time.monotonic() - started:.1f} s after the kill -9")
+        n = len(confirmed)
+        cluster.wait_for(lambda: len(confirmed) >= n + 300, "messages published after the move", timeout=30)
+    finally:
+        stop.set()
+        t.join(10)
+    return confirmed
 
 
 def runners(cluster: Cluster, node_id: str) -> list[str]:
@@ -58,35 +95,10 @@ def test_shovel_runs_on_one_node_and_moves_when_it_dies(cluster: Cluster, tmp_pa
         conn.close()
         assert consumers == 1
 
-        confirmed: list[bytes] = []
-        stop = threading.Event()
+        def send(ch: Any, i: int, body: bytes) -> None:
+            ch.basic_publish("", "src", body, pika.BasicProperties(delivery_mode=2))
 
-        def publisher() -> None:
-            c = pika.BlockingConnection(pika.URLParameters(src.node.url))
-            ch = c.channel()
-            ch.confirm_delivery()
-            i = 0
-            while not stop.is_set():
-                body = f"m{i}".encode()
-                ch.basic_publish("", "src", body, pika.BasicProperties(delivery_mode=2))
-                confirmed.append(body)
-                i += 1
-                time.sleep(0.002)
-            c.close()
-
-        t = threading.Thread(target=publisher)
-        t.start()
-        try:
-            cluster.wait_for(lambda: len(confirmed) >= 300, "messages published before the kill", timeout=30)
-            cluster.kill(holder)  # kill -9 of the node running the shovel
-            started = time.monotonic()
-            cluster.wait_for(lambda: runners(cluster, other) == [other], "the shovel to move", timeout=30)
-            print(f"shovel moved from {holder} to {other} {time.monotonic() - started:.1f} s after the kill -9")
-            n = len(confirmed)
-            cluster.wait_for(lambda: len(confirmed) >= n + 300, "messages published after the move", timeout=30)
-        finally:
-            stop.set()
-            t.join(10)
+        confirmed = publish_across_kill9(cluster, src.node.url, send, holder, other, runners, "shovel")
         wanted = set(confirmed)
         got = drain(dest.node.url, "dst", lambda got: wanted <= set(got), timeout=60)
         assert not wanted - set(got), f"{len(wanted - set(got))} confirmed messages never arrived"
