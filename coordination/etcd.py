@@ -1273,9 +1273,7 @@ class EtcdCluster:
     async def get(self, queue: Queue, no_ack: bool) -> tuple[QueuedMessage | None, int]:
         if queue.remote is None:
             queue.touch()  # basic.get counts as use for x-expires
-            qm = queue.default.get(no_ack)
-            if qm is None and queue.default.head_loading():
-                qm = await queue.default.get_loaded(no_ack)  # the head is being read from the store
+            qm = await queue.default.get_loaded(no_ack)  # waits if the head is being read from the store
             return qm, queue.message_count
         link = self._link_for(queue)
         await link.barrier()

@@ -990,9 +990,7 @@ class _OwnerSession:
             return
         q.touch()
         qch = q.default
-        qm = qch.get(c.no_ack)
-        if qm is None and qch.head_loading():
-            qm = await qch.get_loaded(c.no_ack)  # the head is being read from the store (core/engine/paging.py)
+        qm = await qch.get_loaded(c.no_ack)  # waits if the head is being read from the store (core/engine/paging.py)
         if qm is None:
             self.out.put_nowait(pb.SessionEvent(kind=pb.SessionEvent.GET_EMPTY, sub=c.sub))
             return

@@ -245,9 +245,7 @@ async def queue_get_messages(call: Call) -> list[dict[str, Any]]:
             # ack_requeue_false is a get without ack, as RabbitMQ does it (its get_no_ack):
             # gone at once, counted in deliver_get and never in ack.
             no_ack = ackmode == "ack_requeue_false"
-            qm = q.default.get(no_ack=no_ack)
-            if qm is None and q.default.head_loading():
-                qm = await q.default.get_loaded(no_ack)  # the head is being read from the store (paging)
+            qm = await q.default.get_loaded(no_ack)  # waits if the head is being read from the store (paging)
             left = len(q.default.ready)
             if qm is not None and not no_ack:
                 taken.append(qm)
