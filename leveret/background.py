@@ -5,12 +5,24 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine
 from typing import Any, TypeVar
 
 from core.ports.store import StoreError
 
 T = TypeVar("T")
+
+
+def spawn(coro: Coroutine[Any, Any, Any], tasks: set[asyncio.Task[Any]]) -> asyncio.Task[Any]:
+    """Run ``coro`` as a task held in ``tasks`` until it ends.
+
+    The event loop keeps only weak references to tasks: one that nothing else holds can be
+    garbage-collected while it waits ("Task was destroyed but it is pending!").
+    """
+    task = asyncio.get_running_loop().create_task(coro)
+    tasks.add(task)
+    task.add_done_callback(tasks.discard)
+    return task
 
 
 async def stop_task(task: asyncio.Task[Any] | None) -> None:

@@ -30,3 +30,28 @@ async def test_poll_store_yields_none_while_the_store_fails_and_warns_once_per_o
     assert got == [1, None, None, 2, None, 3]
     warnings = [r for r in caplog.records if r.getMessage() == "things unavailable; retrying"]
     assert [r.error for r in warnings] == ["down", "down again"]  # type: ignore[attr-defined]
+
+
+async def test_spawn_holds_the_task_until_it_ends() -> None:
+    import asyncio
+    import gc
+
+    from leveret.background import spawn
+
+    loop = asyncio.get_running_loop()
+    gate = loop.create_future()
+    done: list[str] = []
+
+    async def waits(on: asyncio.Future[None]) -> None:
+        await on
+        done.append("ran")
+
+    tasks: set[asyncio.Task[object]] = set()
+    spawn(waits(gate), tasks)
+    await asyncio.sleep(0)
+    gc.collect()  # a task nothing holds could go here; this one is in ``tasks``
+    assert len(tasks) == 1
+    gate.set_result(None)
+    await asyncio.sleep(0)
+    await asyncio.sleep(0)
+    assert done == ["ran"] and not tasks

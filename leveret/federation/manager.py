@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING, Any
 from urllib.parse import quote
 
 from core.model.policy import select
-from leveret.background import stop_task
+from leveret.background import spawn, stop_task
 from leveret.federation.link import FederationLink, local_connection
 from leveret.federation.spec import COMPONENTS, UPSTREAM, UPSTREAM_SET, FederationError, LinkSpec, upstreams_of
 from leveret.federation.spec import validate as validate_parameter
@@ -178,9 +178,7 @@ class FederationManager:
                     "vhost": link.spec.vhost, "exchange": link.spec.exchange, "upstream": link.spec.upstream.name,
                     "error": f"{type(exc).__name__}: {exc}"})
 
-        task = asyncio.get_running_loop().create_task(run())
-        self._unlinking.add(task)
-        task.add_done_callback(self._unlinking.discard)
+        spawn(run(), self._unlinking)
 
     async def _stop_one(self, key: LinkKey, release: bool) -> None:
         link = self.running.pop(key, None)

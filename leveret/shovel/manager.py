@@ -21,7 +21,7 @@ import logging
 from typing import TYPE_CHECKING, Any, Protocol
 
 from core.ports.store import StoreError
-from leveret.background import poll_store, stop_task
+from leveret.background import poll_store, spawn, stop_task
 from leveret.shovel.hold import Holder
 from leveret.shovel.spec import COMPONENT, ShovelError, ShovelSpec, parse, redact
 from leveret.shovel.worker import ShovelRunner
@@ -59,6 +59,7 @@ class ShovelManager:
         self.broker = broker
         self.store = store
         self.holder = holder
+        self._deleting: set[asyncio.Task[None]] = set()  # finished shovels deleting their parameter
         self.node = node
         self.local_port = local_port
         self.poll = poll
@@ -202,7 +203,7 @@ class ShovelManager:
                 log.warning("could not delete the finished shovel's parameter",
                             extra={"vhost": spec.vhost, "shovel": spec.name, "error": str(exc)})
 
-        asyncio.get_running_loop().create_task(delete())
+        spawn(delete(), self._deleting)
 
     async def restart(self, vhost: str, name: str) -> bool:
         """Stop and start the shovel if this node runs it (False: it runs elsewhere, or nowhere yet)."""

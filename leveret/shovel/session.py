@@ -15,9 +15,11 @@ import contextlib
 import logging
 import time
 from collections.abc import Callable
+from typing import Any
 
 import aiormq
 
+from leveret.background import spawn
 from leveret.shovel.spec import client_uri
 
 CONNECT_TIMEOUT = 30.0
@@ -56,6 +58,7 @@ class Acks:
         self.sent = 0  # acked at the source up to here
         self._settled: set[int] = set()
         self._scheduled = False
+        self._flushing: set[asyncio.Task[Any]] = set()
 
     def settle(self, tag: int) -> None:
         self._settled.add(tag)
@@ -67,7 +70,7 @@ class Acks:
             asyncio.get_running_loop().call_soon(self._spawn)
 
     def _spawn(self) -> None:
-        asyncio.get_running_loop().create_task(self.flush())
+        spawn(self.flush(), self._flushing)
 
     async def flush(self) -> None:
         self._scheduled = False
