@@ -422,7 +422,7 @@ def _log_counts(records: list[dict[str, Any]]) -> dict[str, int]:
     for r in records:
         if r.get("level") in ("error", "critical"):
             counts["error"] += 1
-        if "exc" in r:  # leveret/logs.py puts a record's traceback there
+        if "exc" in r:  # leveret/node/logs.py puts a record's traceback there
             counts["traceback"] += 1
     return counts
 

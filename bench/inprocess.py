@@ -51,7 +51,7 @@ def run(messages: int, profile: bool) -> float:
     )
     batch = one * 100
     tag = 0
-    gc.set_threshold(50_000, 20, 100)  # as the node does (leveret/node.py)
+    gc.set_threshold(50_000, 20, 100)  # as the node does (leveret/node/wiring.py)
     prof = cProfile.Profile() if profile else None
     start = time.perf_counter()
     if prof:

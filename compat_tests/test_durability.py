@@ -711,7 +711,7 @@ def _login(node: NodeProcess, user: str, password: str, vhost: str) -> pika.Bloc
 def test_users_and_vhosts_survive_restarts(node: NodeProcess, store_args: list[str],
                                            capsys: pytest.CaptureFixture[str]) -> None:  # fmt: skip
     """``leveret users|vhosts`` write through the store; a node loads them at every start."""
-    from leveret.cli import main as cli
+    from leveret.cli.main import main as cli
 
     flags = [*store_args, "--data-dir", str(node.data_dir)]
     assert cli(["vhosts", "add", "app", *flags]) == 0

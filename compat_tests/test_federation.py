@@ -1,4 +1,4 @@
-"""Exchange federation (leveret/federation/) between single-node brokers, driven through the management API.
+"""Exchange federation (leveret/links/federation/) between single-node brokers, driven through the management API.
 
 Every broker is a real ``leveret serve`` process with its own cluster name;
 messages are published and consumed with pika. The downstream's federated

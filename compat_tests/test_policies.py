@@ -1,6 +1,6 @@
 """Policies applied live on a real node, driven with pika and ``leveret policies`` (the store-level command).
 
-The node reads the store's policies every second (leveret/policy_watch.py), so
+The node reads the store's policies every second (leveret/node/policy_watch.py), so
 a policy written by another process reaches its live queues within about a
 second; ``leveret ctl set_policy`` (the management API) goes through the same
 vhost methods.

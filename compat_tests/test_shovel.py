@@ -1,4 +1,4 @@
-"""Dynamic shovels (leveret/shovel/) between two single-node brokers, driven through the management API.
+"""Dynamic shovels (leveret/links/shovel/) between two single-node brokers, driven through the management API.
 
 Every node here is a real ``leveret serve`` process; messages are published and
 consumed with pika. The shovel runs on the source node with ``src-uri

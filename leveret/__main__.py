@@ -1,5 +1,5 @@
 import sys
 
-from leveret.cli import main
+from leveret.cli.main import main
 
 sys.exit(main())

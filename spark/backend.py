@@ -21,7 +21,7 @@ from spark.policies import NamedPolicy, decode_arguments
 POSTGRES_JAR = "/usr/share/java/postgresql.jar"
 SQLITE_JAR = "/usr/share/java/sqlite-jdbc.jar"  # Debian's libxerial-sqlite-jdbc-java
 MARKED = "retained-removed"  # messages.state of rows a --mark-only run chose (load_messages skips them)
-SQLITE_FILE = "leveret.sqlite3"  # inside --data-dir, as leveret/node.py opens it
+SQLITE_FILE = "leveret.sqlite3"  # inside --data-dir, as leveret/node/wiring.py opens it
 
 # One batch: several offset ranges of one queue, fenced on the epoch read at the job's start.
 _PG_DELETE = (

@@ -8,7 +8,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from leveret import passwords
+from leveret.node import passwords
 from tests.pg import throwaway_postgres
 
 # As a node does at start: argon2id for new passwords (26 ms a hash), not the

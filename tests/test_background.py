@@ -1,4 +1,4 @@
-"""leveret/background.py: the store poll the node's watchers share."""
+"""leveret/node/background.py: the store poll the node's watchers share."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import logging
 import pytest
 
 from core.ports.store import StoreError
-from leveret.background import poll_store
+from leveret.node.background import poll_store
 
 
 async def test_poll_store_yields_none_while_the_store_fails_and_warns_once_per_outage(
@@ -36,7 +36,7 @@ async def test_spawn_holds_the_task_until_it_ends() -> None:
     import asyncio
     import gc
 
-    from leveret.background import spawn
+    from core.model.tasks import spawn
 
     loop = asyncio.get_running_loop()
     gate = loop.create_future()

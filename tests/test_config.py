@@ -6,8 +6,8 @@ from pathlib import Path
 
 import pytest
 
-from leveret.cli import build_parser
-from leveret.config import ConfigError, NodeConfig, load, validate
+from leveret.cli.main import build_parser
+from leveret.node.config import ConfigError, NodeConfig, load, validate
 
 
 def test_defaults() -> None:

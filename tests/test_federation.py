@@ -1,4 +1,4 @@
-"""Federation (leveret/federation/) without sockets: parameters, the links policies ask for, loop prevention."""
+"""Federation (leveret/links/federation/) without sockets: parameters, the links policies ask for, loop prevention."""
 
 from __future__ import annotations
 
@@ -10,10 +10,10 @@ from pamqp import commands
 from core.engine.broker import Broker
 from core.model import properties
 from core.model.policy import Policy, PolicyError
-from leveret.federation.link import already_seen, should_forward, stamp, upstream_vhost, wanted_bindings
-from leveret.federation.manager import FederationManager
-from leveret.federation.spec import FederationError, parse_upstream, upstreams_of, validate
-from leveret.shovel.hold import LocalHolder
+from leveret.links.federation.link import already_seen, should_forward, stamp, upstream_vhost, wanted_bindings
+from leveret.links.federation.manager import FederationManager
+from leveret.links.federation.spec import FederationError, parse_upstream, upstreams_of, validate
+from leveret.links.shovel.hold import LocalHolder
 
 
 def test_upstream_defaults_are_rabbitmqs() -> None:

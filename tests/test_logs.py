@@ -11,7 +11,7 @@ from collections.abc import Iterator
 import pytest
 from pamqp import commands
 
-from leveret.logs import JSONFormatter, RateLimit
+from leveret.node.logs import JSONFormatter, RateLimit
 from tests.amqp_client import PROTOCOL_HEADER, Client
 from tests.fuzzing import fresh_broker
 
@@ -147,7 +147,7 @@ def test_debug_and_distinct_kinds_pass(captured: tuple[logging.Logger, io.String
 def test_a_destroyed_pending_task_is_logged_with_what_it_was(caplog: pytest.LogCaptureFixture) -> None:
     import gc
 
-    from leveret.logs import loop_exception_handler, suspended_at
+    from leveret.node.logs import loop_exception_handler, suspended_at
 
     async def waits_forever(fut: asyncio.Future[None]) -> None:
         await fut

@@ -84,7 +84,7 @@ async def test_a_policy_set_on_a_vhost_is_stored_and_other_writes_are_picked_up(
     from core.durable.durability import Durability
     from core.durable.group_commit import GroupCommitter
     from core.engine.broker import Broker
-    from leveret.policy_watch import PolicyWatch
+    from leveret.node.policy_watch import PolicyWatch
     from persistence.sqlite import SQLiteStore
 
     s = SQLiteStore(str(tmp_path / "leveret.sqlite3"))

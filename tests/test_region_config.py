@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from leveret.config import ConfigError, NodeConfig, load, validate
+from leveret.node.config import ConfigError, NodeConfig, load, validate
 
 
 def test_cluster_port_default_is_not_rabbitmqs_distribution_port() -> None:

@@ -1,4 +1,4 @@
-"""Resource alarms: the alarm set and its wait (core/engine/alarms.py), the disk limit (leveret/resources.py)."""
+"""Resource alarms: the alarm set and its wait (core/engine/alarms.py), the disk limit (leveret/node/resources.py)."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import pytest
 
 from core.engine.alarms import DISK, MEMORY, Alarms
 from core.engine.paging import MESSAGE_BYTES
-from leveret.resources import memory_use, parse_disk_free_limit
+from leveret.node.resources import memory_use, parse_disk_free_limit
 from tests.brokers import local_broker
 
 

@@ -152,7 +152,7 @@ def test_limits_parse_and_combine() -> None:
 
 
 def test_policy_commands(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    from leveret.cli import main
+    from leveret.cli.main import main
 
     sqlite_backend(tmp_path).close()
     store = ["--data-dir", str(tmp_path)]
@@ -325,8 +325,8 @@ def test_postgres_run(postgres_db: str, tmp_path: Path, spark: Any) -> None:
 @needs_java
 def test_run_command_reads_the_store_options(tmp_path: Path, spark: Any, capsys: pytest.CaptureFixture[str]) -> None:
     """``leveret retention run`` (its argument parsing and config plumbing) on the shared session."""
-    from leveret.cli import build_parser
-    from leveret.retention import run_from_args
+    from leveret.cli.main import build_parser
+    from leveret.cli.retention import run_from_args
 
     backend = sqlite_backend(tmp_path / "data")
     backend.close()

@@ -15,7 +15,7 @@ from core.engine.broker import Broker, User
 from core.engine.login_throttle import MAX_DELAY, LoginThrottle
 from core.model.clock import ManualScheduler
 from core.model.ratelog import RateLimitedLog
-from leveret.config import ConfigError, NodeConfig, load, validate
+from leveret.node.config import ConfigError, NodeConfig, load, validate
 from tests.amqp_client import Client, plain
 
 REMOTE = ("10.9.8.7", 40000)
@@ -196,7 +196,7 @@ def test_server_tls_is_1_2_plus_with_aead_forward_secret_suites(tmp_path: object
 
     import trustme
 
-    from leveret.tls import ServerTLS, TLSFiles
+    from leveret.node.tls import ServerTLS, TLSFiles
 
     root = Path(str(tmp_path))
     ca = trustme.CA()
@@ -258,8 +258,8 @@ def test_make_test_ca_writes_a_working_set(tmp_path: object) -> None:
     import ssl
     from pathlib import Path
 
-    from leveret.cli import main
-    from leveret.tls import ServerTLS, TLSFiles
+    from leveret.cli.main import main
+    from leveret.node.tls import ServerTLS, TLSFiles
 
     out = Path(str(tmp_path)) / "certs"
     assert main(["tls", "make-test-ca", str(out), "--client", "alice"]) == 0
@@ -294,7 +294,7 @@ async def test_grpc_refusals_are_delayed_too() -> None:
 
     from core.grpc_api import leveret_pb2 as pb
     from core.grpc_api import leveret_pb2_grpc as pb_grpc
-    from leveret.grpc_server import GRPCServer
+    from leveret.node.grpc_server import GRPCServer
 
     server = GRPCServer(Broker())
     await server.start("127.0.0.1", 0)

@@ -7,7 +7,7 @@ from typing import Any
 
 import pytest
 
-from leveret.shovel.spec import ShovelError, client_uri, parse, redact
+from leveret.links.shovel.spec import ShovelError, client_uri, parse, redact
 
 BASE: dict[str, Any] = {"src-uri": "amqp://", "src-queue": "q", "dest-uri": "amqp://h/"}
 

@@ -1,6 +1,6 @@
 """Resource alarms (memory, disk free space): what blocks publishers, as RabbitMQ's alarms.
 
-The node's monitors (leveret/resources.py) raise and clear them; every way in
+The node's monitors (leveret/node/resources.py) raise and clear them; every way in
 respects them: AMQP connections stop reading from publishers
 (``connection.blocked``), gRPC ``Push``/``PushBatch`` and batches forwarded
 by other nodes wait here until every alarm is clear.

@@ -136,7 +136,7 @@ class Broker:
         self.stats = NodeStats()  # message counters for /metrics (leveret/http/metrics.py)
         self.durability: Durability | None = None  # set when a store is configured
         self.committer: GroupCommitter | None = None
-        # Raised by the node's resource monitors (leveret/resources.py): the front ends stop
+        # Raised by the node's resource monitors (leveret/node/resources.py): the front ends stop
         # reading from publishers, gRPC pushes and forwarded batches wait (core/engine/alarms.py).
         self.alarms = Alarms()
         # Declarations and queue operations of the front ends: coordination/local.py on a

@@ -64,7 +64,7 @@ NEVER = sys.maxsize  # a channel's page_at when it never pages (or already does)
 # Message, its property summary, the QueuedMessage, the ready deque's slot) plus 33 for the header
 # of the body's bytes object. A queue's memory budget counts it with the bodies (a window of
 # 1 KiB messages held 28 % more than its budget without it: 538-552 MiB of RSS for a 256 MiB
-# budget), and the memory alarm counts it for every message held (leveret/resources.py).
+# budget), and the memory alarm counts it for every message held (leveret/node/resources.py).
 MESSAGE_BYTES = 405
 # A message paged to disk keeps its key and size in two arrays (PagedReady.keys, .sizes): 12.7 B
 # measured with tracemalloc; counted as 13.
@@ -72,7 +72,7 @@ PAGED_INDEX_BYTES = 13
 
 
 class Settings:
-    """Set by the node from its configuration (leveret/config.py)."""
+    """Set by the node from its configuration (leveret/node/config.py)."""
 
     queue_bytes = 64 * 1024 * 1024  # bodies one queue channel keeps in memory
     node_bytes = 1024 * 1024 * 1024  # bodies all ready lists of the node keep in memory (0: no cap)

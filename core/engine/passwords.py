@@ -4,7 +4,7 @@ A user keeps ``(salt, password_hash)`` (the store's and etcd's columns). Kinds,
 told apart without a new column:
 
 - ``salt == b""`` and a PHC string in ``password_hash``: the current kind.
-  ``$argon2id$...`` through the installed KDF (leveret/passwords.py, argon2-cffi,
+  ``$argon2id$...`` through the installed KDF (leveret/node/passwords.py, argon2-cffi,
   OWASP's parameters m=19 MiB t=2 p=1: 26 ms a check here), or the core's own
   ``$pbkdf2-sha256$<iterations>$<salt>$<key>`` (600,000 iterations, OWASP's
   figure for PBKDF2-SHA256: 280 ms) when no KDF was installed.

@@ -16,7 +16,7 @@ A policy with Leveret's ``archive: true`` asks the retention job to archive
 what its limits remove, so the node leaves those limits (message-ttl,
 max-length, max-length-bytes, max-age) to the job: were the node to drop the
 messages first, nothing would be archived. The job removes them from the live
-queue through its retention requests (leveret/retention_watch.py).
+queue through its retention requests (leveret/node/retention_watch.py).
 """
 
 from __future__ import annotations

@@ -69,7 +69,7 @@ class VirtualHost:
         self.operator_policies: dict[str, Policy] = {}
         self.policy_alternates: dict[str, str] = {}  # exchange -> alternate exchange set by a policy
         # Writes a policy set or cleared here to the store (every node reads them from there:
-        # leveret/policy_watch.py); set by the broker (Broker.policy_writer). (policy, cleared).
+        # leveret/node/policy_watch.py); set by the broker (Broker.policy_writer). (policy, cleared).
         self.policy_writer: Callable[[Policy, bool], None] | None = None
         # Observers of a policy set or cleared here through this vhost.
         self.on_policy_changed: list[Callable[[VirtualHost, Policy], None]] = []

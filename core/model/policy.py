@@ -86,7 +86,7 @@ DEFINITION_KEYS: dict[str, Callable[[str, Any], None]] = {
     "max-age": _max_age,
     "stream-max-segment-size-bytes": _non_negative,
     "archive": _boolean,
-    # Exchange federation (leveret/federation/): an upstream's name, or a set's ("all": every upstream).
+    # Exchange federation (leveret/links/federation/): an upstream's name, or a set's ("all": every upstream).
     "federation-upstream": _text,
     "federation-upstream-set": _text,
 }

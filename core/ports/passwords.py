@@ -1,6 +1,6 @@
 """The port for a password KDF the core may not import itself (argon2id lives outside the core).
 
-Implemented by leveret/passwords.py (argon2-cffi) and installed at start with
+Implemented by leveret/node/passwords.py (argon2-cffi) and installed at start with
 ``core.engine.passwords.install``; the core's own fallback is PBKDF2-SHA256.
 """
 

@@ -16,14 +16,15 @@ from core.engine import limits
 from core.engine.broker import RABBIT_SHA256, Permission, User
 from core.engine.stats import QUEUE_FIELDS, queue_counters
 from core.model.policy import Policy, PolicyError
-from leveret import __version__, resources
-from leveret.cluster_cli import regions_of
+from leveret import __version__
 from leveret.http import api_shovels, listing, metadata
 from leveret.http.api_topology import owner_counts
 from leveret.http.errors import bad_request, not_found
 from leveret.http.rates import add_stats, stats_json
 from leveret.http.responses import created, json_response, no_content
 from leveret.http.views import LEVERET_PHC, queue_counts, user_json
+from leveret.node import resources
+from leveret.node.regions import regions_of
 
 if TYPE_CHECKING:
     from core.engine.vhost import VirtualHost

@@ -1,4 +1,4 @@
-"""/api/federation-links (leveret/federation/) and RabbitMQ's settable ``/api/cluster-name``."""
+"""/api/federation-links (leveret/links/federation/) and RabbitMQ's settable ``/api/cluster-name``."""
 
 from __future__ import annotations
 
@@ -26,7 +26,7 @@ async def cluster_name(call: Call) -> dict[str, Any]:
 
 async def cluster_name_put(call: Call) -> Any:
     """Stored as RabbitMQ's global parameter ``cluster_name``: every node of the cluster reads it."""
-    from leveret.federation.manager import CLUSTER_NAME, GLOBAL
+    from leveret.links.federation.manager import CLUSTER_NAME, GLOBAL
 
     body = await call.body(frozenset({"name"}))
     name = body.get("name")

@@ -1,6 +1,6 @@
 """The last retention run's report and chart, for the console (Leveret's own API, under /api/leveret/).
 
-A scheduled run (leveret/retention_schedule.py) writes
+A scheduled run (leveret/node/retention_schedule.py) writes
 ``<data-dir>/retention/last-report.json`` and the chart beside it
 (``last-report.png``, spark/report_chart.py); these handlers serve them as
 they are. No report yet is an empty answer, not an error: a node with no

@@ -1,4 +1,4 @@
-"""Runtime parameters stored and applied through the node's shovel manager, and /api/shovels (leveret/shovel/)."""
+"""Runtime parameters stored and applied through the node's shovel manager, and /api/shovels (leveret/links/shovel/)."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ from core.ports.store import StoreError
 from leveret.http import listing
 from leveret.http.errors import HttpError, bad_request, not_found
 from leveret.http.responses import no_content
-from leveret.shovel.spec import ParameterError, ShovelError
+from leveret.links.shovel.spec import ParameterError, ShovelError
 
 if TYPE_CHECKING:
     from leveret.http.routing import Router

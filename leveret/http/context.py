@@ -1,4 +1,4 @@
-"""What the HTTP layer reads of a node (leveret/node.py's Node satisfies it)."""
+"""What the HTTP layer reads of a node (leveret/node/wiring.py's Node satisfies it)."""
 
 from __future__ import annotations
 
@@ -9,9 +9,9 @@ if TYPE_CHECKING:
     from coordination.etcd import EtcdCluster
     from core.engine.broker import Broker
     from core.ports.store import MessageStore
-    from leveret.config import NodeConfig
-    from leveret.federation.manager import FederationManager
-    from leveret.shovel.manager import ShovelManager
+    from leveret.links.federation.manager import FederationManager
+    from leveret.links.shovel.manager import ShovelManager
+    from leveret.node.config import NodeConfig
 
 
 class NodeView(Protocol):

@@ -18,7 +18,6 @@ from core.engine.vhost import VirtualHost
 from core.model.errors import BrokerError
 from core.model.policy import Policy
 from leveret import __version__
-from leveret.federation import spec as federation_spec
 from leveret.http import api_shovels, declare, metadata
 from leveret.http.api_admin import (
     PRODUCT,
@@ -34,7 +33,8 @@ from leveret.http.api_admin import (
 from leveret.http.errors import bad_request
 from leveret.http.responses import no_content
 from leveret.http.views import jsonable, user_json
-from leveret.shovel import spec as shovel_spec
+from leveret.links.federation import spec as federation_spec
+from leveret.links.shovel import spec as shovel_spec
 
 if TYPE_CHECKING:
     from leveret.http.routing import Router

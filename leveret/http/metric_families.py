@@ -37,12 +37,13 @@ from prometheus_client.core import (
     UnknownMetricFamily,
 )
 
-from leveret import __version__, resources
+from leveret import __version__
+from leveret.node import resources
 
 if TYPE_CHECKING:
     from core.engine.queue import Queue
-    from leveret.federation.link import FederationLink
-    from leveret.node import Node
+    from leveret.links.federation.link import FederationLink
+    from leveret.node.wiring import Node
 
 PROTOCOL = "amqp091"
 QUEUE_TYPE = "rabbit_classic_queue"

@@ -19,7 +19,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from leveret.http import metric_families as mf
 
 if TYPE_CHECKING:
-    from leveret.node import Node
+    from leveret.node.wiring import Node
 
 log = logging.getLogger("leveret.metrics")
 

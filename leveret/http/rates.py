@@ -15,7 +15,7 @@ from typing import Any
 
 from core.engine.broker import Broker
 from core.engine.stats import QUEUE_FIELDS, exchange_counters, queue_counters
-from leveret.background import stop_task
+from core.model.tasks import stop_task
 
 INTERVAL = 5.0
 EXCHANGE_FIELDS = ("publish_in",)

@@ -4,7 +4,7 @@ Both are AMQP 0-9-1 clients (aiormq) that run inside the node, keep a state
 for the management API (``starting``, ``running``, an error), reconnect after a
 delay on any failure, and ack their source in coalesced ``basic.ack(multiple)``
 frames. The shovel (worker.py) and the federation link
-(leveret/federation/link.py) are what differ: what they consume and where they
+(leveret/links/federation/link.py) are what differ: what they consume and where they
 put it.
 """
 
@@ -19,8 +19,8 @@ from typing import Any
 
 import aiormq
 
-from leveret.background import spawn
-from leveret.shovel.spec import client_uri
+from core.model.tasks import spawn
+from leveret.links.shovel.spec import client_uri
 
 CONNECT_TIMEOUT = 30.0
 CLOSE_TIMEOUT = 5.0

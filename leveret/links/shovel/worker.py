@@ -23,8 +23,8 @@ import aiormq
 from aiormq.abc import DeliveredMessage
 from pamqp import commands as spec_commands
 
-from leveret.shovel.session import CLOSE_TIMEOUT, Acks, Supervised, close, connect
-from leveret.shovel.spec import ShovelSpec, redact
+from leveret.links.shovel.session import CLOSE_TIMEOUT, Acks, Supervised, close, connect
+from leveret.links.shovel.spec import ShovelSpec, redact
 
 log = logging.getLogger("leveret.shovel")
 

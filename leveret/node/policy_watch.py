@@ -16,8 +16,9 @@ import logging
 
 from core.engine.broker import Broker
 from core.model.policy import Policy
+from core.model.tasks import stop_task
 from core.ports.store import MessageStore
-from leveret.background import poll_store, stop_task
+from leveret.node.background import poll_store
 
 log = logging.getLogger("leveret.policies")
 

@@ -18,10 +18,10 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from leveret.retention_watch import RetentionWatch
+from leveret.node.retention_watch import RetentionWatch
 
 if TYPE_CHECKING:
-    from leveret.node import Node
+    from leveret.node.wiring import Node
 
 log = logging.getLogger("leveret.retention")
 

@@ -11,7 +11,7 @@ import sys
 import time
 from typing import Any
 
-from leveret.config import ConfigError
+from leveret.node.config import ConfigError
 
 
 def _store_arguments(parser: argparse.ArgumentParser) -> None:
@@ -67,7 +67,7 @@ def add_parser(sub: Any) -> None:
 
 def backend_from_args(args: argparse.Namespace) -> Any:
     """The store of the node's configuration (file, environment, flags), as ``leveret serve`` reads it."""
-    from leveret.config import load
+    from leveret.node.config import load
     from spark.backend import Backend
 
     overrides = {"data_dir": args.data_dir, "store": args.store, "postgres_dsn": args.postgres_dsn}

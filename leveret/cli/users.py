@@ -16,7 +16,7 @@ import json
 import sys
 from typing import Any
 
-from leveret.config import ConfigError, load
+from leveret.node.config import ConfigError, load
 
 
 def _store_arguments(parser: argparse.ArgumentParser) -> None:
@@ -66,7 +66,7 @@ def add_parsers(sub: Any) -> None:
 async def _users(args: argparse.Namespace, store: Any, cluster: _Cluster | None) -> int:
     from core.engine.broker import User
     from core.ports.store import UserRecord
-    from leveret import passwords
+    from leveret.node import passwords
 
     passwords.install()  # the record a node writes too: argon2id (core/engine/passwords.py)
 
@@ -149,7 +149,7 @@ def main(args: argparse.Namespace) -> int:
         print(f"leveret {group}: {exc}", file=sys.stderr)
         return 2
     from core.ports.store import StoreError
-    from leveret.node import make_store
+    from leveret.node.wiring import make_store
 
     async def go() -> int:
         store = make_store(config)
@@ -157,7 +157,7 @@ def main(args: argparse.Namespace) -> int:
         cluster: _Cluster | None = None
         try:
             if config.etcd and action != "list":
-                from leveret.cluster_cli import _client
+                from leveret.cli.cluster import _client
 
                 endpoints = [e.strip() for e in config.etcd.split(",") if e.strip()]
                 cluster = _Cluster(await _client(endpoints), config.cluster)

@@ -23,15 +23,16 @@ from core.engine.alarms import DISK, MEMORY
 from core.engine.broker import Broker
 from core.engine.stream import StreamQueue
 from core.ports.store import MessageStore, StoreError
-from leveret import __version__, logs, resources
-from leveret.config import NodeConfig
-from leveret.federation.manager import FederationManager
-from leveret.grpc_server import GRPCServer
+from leveret import __version__
 from leveret.http.metrics import MetricsServer
-from leveret.policy_watch import PolicyWatch
-from leveret.retention_schedule import RetentionService
-from leveret.shovel.manager import ShovelManager
-from leveret.tls import ServerTLS, TLSFiles
+from leveret.links.federation.manager import FederationManager
+from leveret.links.shovel.manager import ShovelManager
+from leveret.node import logs, resources
+from leveret.node.config import NodeConfig
+from leveret.node.grpc_server import GRPCServer
+from leveret.node.policy_watch import PolicyWatch
+from leveret.node.retention_schedule import RetentionService
+from leveret.node.tls import ServerTLS, TLSFiles
 
 if TYPE_CHECKING:
     import grpc
@@ -39,15 +40,15 @@ if TYPE_CHECKING:
     from coordination.etcd import EtcdCluster
     from core.cluster.auth import PeerAuth
     from core.engine.broker import User
-    from leveret.cluster_server import ClusterServer
     from leveret.http.server import ManagementAPI
+    from leveret.node.cluster_server import ClusterServer
 
 log = logging.getLogger("leveret.node")
 
 
 class Node:
     def __init__(self, config: NodeConfig) -> None:
-        from leveret import passwords
+        from leveret.node import passwords
 
         passwords.install()  # argon2id for every password hashed from now on (the default user's too)
         self.config = config
@@ -58,7 +59,7 @@ class Node:
             coordinator=self.local,
         )
         self.store: MessageStore | None = None
-        self.retention: RetentionService | None = None  # retention watch and schedule (leveret/retention_schedule.py)
+        self.retention: RetentionService | None = None  # retention watch and schedule (leveret/node/retention_schedule.py)
         self.amqp = AMQPServer(
             self.broker,
             ServerSettings(
@@ -89,7 +90,7 @@ class Node:
         self.metrics: MetricsServer | None = None  # --prometheus-port (leveret/http/metrics.py)
         self.policy_watch: PolicyWatch | None = None
         self.shovels: ShovelManager | None = None
-        self.federation: FederationManager | None = None  # leveret/federation/, fed by the shovels' parameters
+        self.federation: FederationManager | None = None  # leveret/links/federation/, fed by the shovels' parameters
         self.started_at = time.monotonic()
         StreamQueue.memory_limit = config.stream_memory_bytes
         paging.configure(config.queue_memory_bytes, config.queue_memory_node_bytes,
@@ -178,10 +179,10 @@ class Node:
             messages = await self.local.take_over_stored_queues(durability, queues, self.broker.vhosts.values())
             log.info("store opened", extra={"store": store.description, "durable_queues": len(queues),
                                             "messages_restored": messages})
-        # Policies other nodes and `leveret retention policy` write to the store (leveret/policy_watch.py).
+        # Policies other nodes and `leveret retention policy` write to the store (leveret/node/policy_watch.py).
         self.policy_watch = PolicyWatch(self.broker, store)
         await self.policy_watch.start()
-        from leveret.retention_schedule import start_retention
+        from leveret.node.retention_schedule import start_retention
 
         self.retention = await start_retention(self)
 
@@ -195,7 +196,7 @@ class Node:
         from coordination.etcd import ClusterSettings, EtcdCluster
         from coordination.etcd_client import EtcdTLS
         from core.ports.coordinator import ClusterStartError
-        from leveret.cluster_server import ClusterServer
+        from leveret.node.cluster_server import ClusterServer
 
         cfg = self.config
         assert self.store is not None and self.broker.committer is not None
@@ -281,7 +282,7 @@ class Node:
 
     async def _start_shovels(self) -> None:
         """Runtime parameters back from the store; the shovels and federation links this node holds started."""
-        from leveret.shovel.hold import EtcdHolder, Holder, LocalHolder
+        from leveret.links.shovel.hold import EtcdHolder, Holder, LocalHolder
 
         assert self.store is not None
         node = self.broker.node_id
@@ -345,15 +346,15 @@ class Node:
         return int(mark * os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))
 
     def disk_free_limit_bytes(self) -> int:
-        """``--disk-free-limit`` in bytes (validated at start: leveret/config.py)."""
+        """``--disk-free-limit`` in bytes (validated at start: leveret/node/config.py)."""
         return resources.parse_disk_free_limit(self.config.disk_free_limit, resources.total_memory())
 
     def queued_bytes(self) -> int:
-        """What the memory alarm counts (leveret/resources.py): bodies, index, partial bodies, buffers."""
+        """What the memory alarm counts (leveret/node/resources.py): bodies, index, partial bodies, buffers."""
         return resources.memory_use(self.broker, self.amqp).total
 
     async def _watch_memory(self) -> None:
-        """The memory and disk alarms (leveret/resources.py says what they count), every half second.
+        """The memory and disk alarms (leveret/node/resources.py says what they count), every half second.
 
         RSS is not the memory alarm's input because CPython rarely returns freed
         memory, so an alarm on it would never clear; the log line gives both.

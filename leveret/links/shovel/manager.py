@@ -2,7 +2,7 @@
 
 Parameters are stored (``runtime_parameters``) and every node reads them each
 ``poll`` seconds, applying what changed *between two reads* (as
-leveret/policy_watch.py does), so a parameter this node set a moment ago is
+leveret/node/policy_watch.py does), so a parameter this node set a moment ago is
 never undone by a read that started before its write. A shovel defined
 anywhere is tried here each poll: the node that wins the hold (hold.py) runs
 it, the others only list it. A shovel set or cleared through this node's API
@@ -10,7 +10,7 @@ starts or stops at once, not at the next poll.
 
 The manager is the node's one reader and writer of runtime parameters: other
 components that live in them (federation upstreams and upstream sets,
-leveret/federation/) register a ``ParameterListener`` and are validated,
+leveret/links/federation/) register a ``ParameterListener`` and are validated,
 applied and told of changes through it, so the parameters are polled once.
 """
 
@@ -20,11 +20,12 @@ import asyncio
 import logging
 from typing import TYPE_CHECKING, Any, Protocol
 
+from core.model.tasks import spawn, stop_task
 from core.ports.store import StoreError
-from leveret.background import poll_store, spawn, stop_task
-from leveret.shovel.hold import Holder
-from leveret.shovel.spec import COMPONENT, ShovelError, ShovelSpec, parse, redact
-from leveret.shovel.worker import ShovelRunner
+from leveret.links.shovel.hold import Holder
+from leveret.links.shovel.spec import COMPONENT, ShovelError, ShovelSpec, parse, redact
+from leveret.links.shovel.worker import ShovelRunner
+from leveret.node.background import poll_store
 
 if TYPE_CHECKING:
     from core.engine.broker import Broker

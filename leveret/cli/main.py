@@ -7,7 +7,7 @@ import sys
 from dataclasses import fields
 
 from leveret import __version__
-from leveret.config import HELP, ConfigError, NodeConfig, load, validate
+from leveret.node.config import HELP, ConfigError, NodeConfig, load, validate
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -40,28 +40,28 @@ def build_parser() -> argparse.ArgumentParser:
             metavar=f.name.upper(),
             help=f"{HELP[f.name]} (default {default!r}; env LEVERET_{f.name.upper()})",
         )
-    from leveret import retention
+    from leveret.cli import retention
 
     retention.add_parser(sub)
-    from leveret import cluster_cli
+    from leveret.cli import cluster
 
-    cluster_cli.add_parser(sub)
-    from leveret import streams_cli
+    cluster.add_parser(sub)
+    from leveret.cli import streams
 
-    streams_cli.add_parser(sub)
-    from leveret import users
+    streams.add_parser(sub)
+    from leveret.cli import users
 
     users.add_parsers(sub)
-    from leveret import tls_cli
+    from leveret.cli import tls
 
-    tls_cli.add_parser(sub)
-    from leveret import ctl
+    tls.add_parser(sub)
+    from leveret.cli import ctl
 
     ctl.add_parser(sub)
-    from leveret import policies_cli
+    from leveret.cli import policies
 
-    policies_cli.add_parser(sub)
-    from leveret import diagnostics
+    policies.add_parser(sub)
+    from leveret.cli import diagnostics
 
     diagnostics.add_parser(sub)
     return parser
@@ -69,43 +69,43 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
-    from leveret.ctl import _hoist_options
+    from leveret.cli.ctl import _hoist_options
 
     args = parser.parse_args(_hoist_options(list(sys.argv[1:] if argv is None else argv)))
     if args.command == "ctl":
-        from leveret import ctl
+        from leveret.cli import ctl
 
         return ctl.main(args)
     if args.command == "retention":
-        from leveret import retention
+        from leveret.cli import retention
 
         return retention.main(args, parser)
     if args.command == "cluster":
-        from leveret import cluster_cli
+        from leveret.cli import cluster
 
         try:
-            return cluster_cli.main(args, parser)
+            return cluster.main(args, parser)
         except ConfigError as exc:
             print(f"leveret: {exc}", file=sys.stderr)
             return 2
     if args.command == "streams":
-        from leveret import streams_cli
+        from leveret.cli import streams
 
-        return streams_cli.main(args, parser)
+        return streams.main(args, parser)
     if args.command == "tls":
-        from leveret import tls_cli
+        from leveret.cli import tls
 
-        return tls_cli.main(args)
+        return tls.main(args)
     if args.command == "diagnostics":
-        from leveret import diagnostics
+        from leveret.cli import diagnostics
 
         return diagnostics.main(args)
     if args.command == "policies":
-        from leveret import policies_cli
+        from leveret.cli import policies
 
-        return policies_cli.main(args)
+        return policies.main(args)
     if args.command in ("users", "vhosts"):
-        from leveret import users
+        from leveret.cli import users
 
         return users.main(args)
     if args.command != "serve":
@@ -118,7 +118,8 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as exc:
         print(f"leveret: {exc}", file=sys.stderr)
         return 2
-    from leveret import logs, node
+    from leveret.node import logs
+    from leveret.node import wiring as node
 
     logs.setup(config.log_level, config.log_format)
     from core.ports.coordinator import ClusterStartError

@@ -26,7 +26,7 @@ import urllib.request
 from collections.abc import Callable
 from typing import Any
 
-from leveret.config import ConfigError, NodeConfig, load
+from leveret.node.config import ConfigError, NodeConfig, load
 
 OK = 0
 EX_USAGE = 64

@@ -14,7 +14,7 @@ import grpc
 from core.cluster import internal_pb2_grpc
 from core.cluster.auth import PeerAuth
 from core.cluster.forwarding import NodeService
-from leveret.grpc_server import MAX_MESSAGE, bind_and_start
+from leveret.node.grpc_server import MAX_MESSAGE, bind_and_start
 
 
 class ClusterServer:

@@ -16,7 +16,7 @@ import logging
 import time
 
 from core.engine.broker import Broker
-from leveret.background import stop_task
+from core.model.tasks import stop_task
 from persistence.retention_requests import RequestTable
 
 log = logging.getLogger("leveret.retention")

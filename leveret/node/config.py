@@ -205,7 +205,7 @@ def load(config_file: str | None, overrides: dict[str, Any], environ: dict[str, 
 
 
 def validate(cfg: NodeConfig) -> None:
-    from leveret.resources import parse_disk_free_limit, total_memory
+    from leveret.node.resources import parse_disk_free_limit, total_memory
 
     try:
         parse_disk_free_limit(cfg.disk_free_limit, total_memory())

@@ -9,6 +9,7 @@ import sys
 from typing import Any
 
 from coordination.keys import Layout, loads
+from leveret.node.regions import regions_of
 
 
 def add_parser(sub: Any) -> None:
@@ -29,7 +30,7 @@ def add_parser(sub: Any) -> None:
 
 
 def _settings(args: argparse.Namespace) -> tuple[list[str], str]:
-    from leveret.config import load
+    from leveret.node.config import load
 
     cfg = load(args.config, {"etcd": args.etcd, "cluster": args.cluster})
     endpoints = [e.strip() for e in cfg.etcd.split(",") if e.strip()]
@@ -41,7 +42,7 @@ def _settings(args: argparse.Namespace) -> tuple[list[str], str]:
 async def _client(endpoints: list[str]) -> Any:
     from coordination.etcd import _endpoint
     from coordination.etcd_client import EtcdTLS, etcd_client
-    from leveret.config import load
+    from leveret.node.config import load
 
     # etcd's TLS files and login, as a node reads them (LEVERET_ETCD_* or the LEVERET_CONFIG file).
     cfg = load(None, {})
@@ -97,20 +98,6 @@ async def snapshot(endpoints: list[str], cluster: str) -> dict[str, Any]:
             for vq, meta in sorted(queues.items())
         ],
     }
-
-
-def regions_of(nodes: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """Per region (\"\" for nodes without one), by name: its nodes, how many take queues, the queues they own.
-
-    ``nodes``: dicts with ``id``, ``region``, ``queues`` (owned) and ``draining``, as ``snapshot`` lists them.
-    """
-    out: dict[str, dict[str, Any]] = {}
-    for n in nodes:
-        r = out.setdefault(n["region"], {"region": n["region"], "nodes": [], "live": 0, "queues": 0})
-        r["nodes"].append(n["id"])
-        r["live"] += 0 if n["draining"] else 1
-        r["queues"] += n["queues"]
-    return [out[k] for k in sorted(out)]
 
 
 def _print_table(snap: dict[str, Any]) -> None:

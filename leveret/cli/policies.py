@@ -2,7 +2,7 @@
 
 Arguments in rabbitmqctl's order (``set_policy [-p VHOST] [--priority N]
 [--apply-to queues|exchanges|all] NAME PATTERN DEFINITION``). Running nodes
-read the store's policies every second (leveret/policy_watch.py) and apply a
+read the store's policies every second (leveret/node/policy_watch.py) and apply a
 change to their live queues at once; a node that is down applies them at
 start. ``leveret ctl set_policy`` does the same over a node's management API.
 """
@@ -15,8 +15,8 @@ import json
 import sys
 from typing import Any
 
-from leveret.config import ConfigError, load
-from leveret.users import _store_arguments
+from leveret.cli.users import _store_arguments
+from leveret.node.config import ConfigError, load
 
 
 def add_parser(sub: Any) -> None:
@@ -81,7 +81,7 @@ def main(args: argparse.Namespace) -> int:
         print(f"leveret policies: {exc}", file=sys.stderr)
         return 2
     from core.ports.store import StoreError
-    from leveret.node import make_store
+    from leveret.node.wiring import make_store
 
     async def go() -> int:
         store = make_store(config)

@@ -15,7 +15,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
-from leveret.shovel.spec import ACK_MODES, ParameterError
+from leveret.links.shovel.spec import ACK_MODES, ParameterError
 
 UPSTREAM = "federation-upstream"
 UPSTREAM_SET = "federation-upstream-set"

@@ -1,14 +1,14 @@
 """The node's federation links: which the policies ask for, which run here, their status; the cluster name.
 
 Upstreams and upstream sets are runtime parameters, stored and polled by the
-shovel manager (leveret/shovel/manager.py), which hands this manager those of
+shovel manager (leveret/links/shovel/manager.py), which hands this manager those of
 its components (``ParameterListener``). Which exchanges are federated comes
 from the policies (``federation-upstream``, ``federation-upstream-set``), which
 every node already applies live; so every ``poll`` seconds, and at once when
 a parameter is set or cleared through this node, the manager works out the
 links wanted (one per federated exchange and upstream) and reconciles them
 with those it runs. Each link runs on one node of the cluster, held as a
-shovel is (leveret/shovel/hold.py, under ``federation/``), and moves when that
+shovel is (leveret/links/shovel/hold.py, under ``federation/``), and moves when that
 node dies.
 
 The cluster name (RabbitMQ's ``cluster_name``, which loop prevention compares)
@@ -25,12 +25,12 @@ from typing import TYPE_CHECKING, Any
 from urllib.parse import quote
 
 from core.model.policy import select
-from leveret.background import spawn, stop_task
-from leveret.federation.link import FederationLink, local_connection
-from leveret.federation.spec import COMPONENTS, UPSTREAM, UPSTREAM_SET, FederationError, LinkSpec, upstreams_of
-from leveret.federation.spec import validate as validate_parameter
-from leveret.shovel.hold import Holder
-from leveret.shovel.spec import redact
+from core.model.tasks import spawn, stop_task
+from leveret.links.federation.link import FederationLink, local_connection
+from leveret.links.federation.spec import COMPONENTS, UPSTREAM, UPSTREAM_SET, FederationError, LinkSpec, upstreams_of
+from leveret.links.federation.spec import validate as validate_parameter
+from leveret.links.shovel.hold import Holder
+from leveret.links.shovel.spec import redact
 
 if TYPE_CHECKING:
     from core.engine.broker import Broker
@@ -74,7 +74,7 @@ class FederationManager:
     def cluster_name(self) -> str:
         return self.stored_cluster_name or self.default_cluster_name
 
-    # -- ParameterListener (leveret/shovel/manager.py) ----------------------------------
+    # -- ParameterListener (leveret/links/shovel/manager.py) ----------------------------------
     def validate(self, vhost: str, component: str, name: str, value: Any) -> None:
         if component == GLOBAL:
             if name != CLUSTER_NAME:

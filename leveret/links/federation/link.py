@@ -43,9 +43,9 @@ from aiormq.abc import DeliveredMessage
 
 from core.engine import publish
 from core.model.message import Message
-from leveret.federation.spec import LinkSpec
-from leveret.shovel.session import CLOSE_TIMEOUT, Acks, Supervised, close, connect
-from leveret.shovel.spec import redact
+from leveret.links.federation.spec import LinkSpec
+from leveret.links.shovel.session import CLOSE_TIMEOUT, Acks, Supervised, close, connect
+from leveret.links.shovel.spec import redact
 
 if TYPE_CHECKING:
     from core.engine.broker import Broker

@@ -1,0 +1,1 @@
+"""The ``leveret`` command line: one module per command group (``main`` parses and dispatches)."""

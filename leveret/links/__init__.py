@@ -1,0 +1,1 @@
+"""Links between brokers that run on a node: dynamic shovels and exchange federation."""
