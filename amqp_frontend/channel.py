@@ -19,6 +19,7 @@ from pamqp.base import Frame as Method
 from amqp_frontend import codec, stream_consumer
 from core.engine import access, direct_reply, limits, publish
 from core.engine.exchange import Exchange
+from core.engine.node_stats import NodeStats
 from core.engine.queue import Consumer, Queue, QueueChannel
 from core.engine.stream import StreamQueue
 from core.engine.vhost import server_generated_name
@@ -54,6 +55,9 @@ class Channel:
         assert self.vhost is not None
         self.closing = False
         self.stats = conn.broker.stats
+        # This channel's own message counts, RabbitMQ's channel message_stats (leveret/http/views.py):
+        # each bump of the node's counter below is mirrored here, one attribute store more.
+        self.own = NodeStats()
         # This login's permission answers in this vhost (core/engine/access.py): a publish pays a dict lookup.
         self.grants = conn.broker.access.grants(conn.username, self.vhost.name)
         # Content being assembled: (exchange, routing key, mandatory), props, body parts.
@@ -109,10 +113,13 @@ class Channel:
         if not consumer.no_ack:
             self.unacked[tag] = (qm, consumer, consumer.channel)
             self.stats.delivered_consume_manual_ack += 1
+            self.own.delivered_consume_manual_ack += 1
         else:
             self.stats.delivered_consume_auto_ack += 1
+            self.own.delivered_consume_auto_ack += 1
         if qm.redelivered:
             self.stats.redelivered += 1
+            self.own.redelivered += 1
         m = qm.message
         if len(m.body) > codec.LARGE_BODY:
             self.conn.write(
@@ -281,13 +288,16 @@ class Channel:
         vhost = self.vhost
         assert vhost is not None
         self.stats.received += 1
+        self.own.received += 1
         tx_join = self._tx_join
         outcome = publish.publish(self.conn.broker, vhost, exchange, message, self.confirm or tx_join is not None)
         if not outcome.routed:
             if mandatory:
                 self.stats.unroutable_returned += 1
+                self.own.unroutable_returned += 1
             else:
                 self.stats.unroutable_dropped += 1
+                self.own.unroutable_dropped += 1
         if mandatory and not outcome.routed:
             # basic.return goes out before the message's ack (both are written in order).
             self.conn.send_method(
@@ -346,6 +356,7 @@ class Channel:
         if upto > self.confirmed_upto:
             multiple = upto - self.confirmed_upto > 1
             self.stats.confirmed += upto - self.confirmed_upto
+            self.own.confirmed += upto - self.confirmed_upto
             self.confirmed_upto = upto
             self.conn.write(_basic_ack_frame(self.number, upto, multiple))
 
@@ -406,6 +417,7 @@ class Channel:
             qm, consumer, qch = entry
             qch.settle(qm, consumer)
             self.stats.acknowledged += 1
+            self.own.acknowledged += 1
             if self.prefetch_global:
                 self.resume()  # channel-wide credit: any of its consumers may go on
             qch.dispatch()
@@ -421,6 +433,7 @@ class Channel:
     def _settle_entries(self, entries: list[Unacked]) -> None:
         touched: dict[int, QueueChannel] = {}
         self.stats.acknowledged += len(entries)
+        self.own.acknowledged += len(entries)
         for qm, consumer, qch in entries:
             qch.settle(qm, consumer)
             touched[id(qch)] = qch
@@ -723,6 +736,7 @@ class Channel:
     def _got(self, m: commands.Basic.Get, qch: QueueChannel, qm: QueuedMessage | None, remaining: int) -> None:
         if qm is None:
             self.stats.get_empty += 1
+            self.own.get_empty += 1
             self._reply(commands.Basic.GetEmpty())
             return
         tag = self.next_tag
@@ -730,8 +744,13 @@ class Channel:
         if not m.no_ack:
             self.unacked[tag] = (qm, None, qch)
             self.stats.delivered_get_manual_ack += 1
+            self.own.delivered_get_manual_ack += 1
         else:
             self.stats.delivered_get_auto_ack += 1
+            self.own.delivered_get_auto_ack += 1
+        if qm.redelivered:  # RabbitMQ counts a redelivery through basic.get too
+            self.stats.redelivered += 1
+            self.own.redelivered += 1
         msg = qm.message
         self.conn.write(
             codec.get_ok_frame(self.number, tag, qm.redelivered, msg.exchange, msg.routing_key, remaining)

@@ -31,6 +31,8 @@ class AMQPProtocol(asyncio.Protocol):
         self._loop = asyncio.get_running_loop()
         self._linger: asyncio.TimerHandle | None = None
         self._lingering = False
+        self.recv_oct = 0  # bytes read from and written to the socket
+        self.send_oct = 0
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         # uvloop's transport is not an asyncio.Transport subclass, so no isinstance check.
@@ -54,6 +56,7 @@ class AMQPProtocol(asyncio.Protocol):
             return  # closed: what the client still sends is read and dropped
         conn = self.conn
         assert conn is not None
+        self.recv_oct += len(data)  # RabbitMQ's recv_oct/send_oct (the management API's connection view)
         conn.receive_data(data)
         self._after_input(conn)
 
@@ -153,6 +156,7 @@ class AMQPProtocol(asyncio.Protocol):
             return
         data = conn.data_to_send()
         if data and not transport.is_closing():
+            self.send_oct += len(data)
             transport.write(data)
         if conn.should_close:
             self._start_linger(conn, transport)

@@ -198,6 +198,7 @@ class Broker:
             vh = self.vhosts[name] = VirtualHost(name, self.scheduler)
             vh.durability = self.durability
             vh.policy_writer = self.policy_writer
+            vh.stats = self.stats  # queue churn counts node-wide
         return vh
 
     def set_policy_writer(self, writer: Callable[[Policy, bool], None] | None) -> None:

@@ -31,6 +31,9 @@ class NodeStats:
         "connections_closed",
         "channels_opened",
         "channels_closed",
+        "queues_declared",
+        "queues_created",
+        "queues_deleted",
     )
 
     def __init__(self) -> None:
@@ -51,6 +54,9 @@ class NodeStats:
         self.connections_closed = 0
         self.channels_opened = 0
         self.channels_closed = 0
+        self.queues_declared = 0  # queue.declare (and its HTTP and gRPC equivalents), new or not
+        self.queues_created = 0
+        self.queues_deleted = 0
 
     @property
     def delivered(self) -> int:

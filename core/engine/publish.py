@@ -189,6 +189,7 @@ def publish(broker: Broker, vhost: VirtualHost, exchange: Exchange | None, messa
     routing_key = message.routing_key
     if exchange is None:
         # The default exchange: the routing key names the queue.
+        vhost.default_published_in += 1  # its publish_in (the management API's amq.default)
         q = vhost.queues.get(routing_key)
         if q is not None:
             if not track:  # the commonest publish, kept to one call (bench.inprocess)

@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING, Any
 
 from core.engine import dead_letter
 from core.engine.exchange import Binding, Destination, Exchange, make_exchange
+from core.engine.node_stats import NodeStats
 from core.engine.policy import effective_alternate, effective_queue_args
 from core.engine.queue import Queue
 from core.engine.queue_args import QueueArgs, check_quorum_declare, parse_queue_args, quorum_args
@@ -79,6 +80,9 @@ class VirtualHost:
         self.parameters: dict[tuple[str, str], Any] = {}
         self.description = ""
         self.tags: tuple[str, ...] = ()
+        # Queue churn counters (declared, created, deleted): the broker's NodeStats once added to one.
+        self.stats = NodeStats()
+        self.default_published_in = 0
 
     # -- lookups ---------------------------------------------------------------
     def get_exchange(self, name: str) -> Exchange:
@@ -205,6 +209,8 @@ class VirtualHost:
     ) -> Queue:
         if passive:
             return self.get_queue(name, owner)
+        if not restoring:
+            self.stats.queues_declared += 1
         arguments = dict(arguments or {})
         generated = name == ""
         if generated:
@@ -234,6 +240,8 @@ class VirtualHost:
                 on_dead_letter=self._dead_letter,
             )
             self.queues[name] = q
+            if not restoring:
+                self.stats.queues_created += 1
             if self.durability is not None:
                 self.durability.queue_declared(self, q, restoring)
             # Every queue is bound to the default exchange by its name; that
@@ -298,6 +306,7 @@ class VirtualHost:
         if q.deleted:
             return 0
         self.queues.pop(q.name, None)
+        self.stats.queues_deleted += 1
         for x in list(self.exchanges.values()):
             for b in x.bindings_to(q):
                 self._unbind(b)
@@ -470,6 +479,7 @@ class VirtualHost:
         """Every queue ``message`` reaches from ``exchange`` (None: the default exchange)."""
         rk = message.routing_key
         if exchange is None:
+            self.default_published_in += 1  # the default exchange's publish_in (it has no Exchange object)
             q = self.queues.get(rk)
             return [q] if q is not None else []
         exchange.published_in += 1

@@ -17,7 +17,7 @@ from core.engine.broker import RABBIT_SHA256, Permission, User
 from core.engine.stats import QUEUE_FIELDS, queue_counters
 from core.model.policy import Policy, PolicyError
 from leveret import __version__
-from leveret.http import api_shovels, listing, metadata
+from leveret.http import api_operator, api_shovels, listing, metadata
 from leveret.http.api_topology import owner_counts
 from leveret.http.errors import bad_request, not_found
 from leveret.http.rates import add_stats, stats_json
@@ -33,7 +33,10 @@ if TYPE_CHECKING:
 
 
 PRODUCT = "Leveret"
-RABBIT_COMPAT_VERSION = "3.13.7"  # the management API version tools see (rabbitmqadmin checks none)
+# The RabbitMQ management API level Leveret imitates, as "rabbitmq_api_version" beside Leveret's own
+# version (rabbitmq_version, product_version, management_version: what AMQP and Prometheus say too).
+# rabbitmqadmin 3.10.8 reads only rabbitmq_version, to print it in `show overview`.
+RABBIT_COMPAT_VERSION = "3.13.7"
 TAGS = ("administrator", "monitoring", "policymaker", "management", "impersonator")
 
 
@@ -110,17 +113,21 @@ def _listeners(call: Call) -> list[dict[str, Any]]:
 
 async def overview(call: Call) -> dict[str, Any]:
     vhosts = call.visible_vhosts()
-    totals, stats, consumers = await _totals(vhosts, call)
+    totals, _, consumers = await _totals(vhosts, call)
     conns = [p for p in call.node.amqp.connections if p.conn is not None and p.conn.vhost is not None
              and (call.sees_all or p.conn.username == call.user.name)]
     return {
-        "management_version": RABBIT_COMPAT_VERSION, "rates_mode": "basic",
-        "product_name": PRODUCT, "product_version": __version__, "rabbitmq_version": RABBIT_COMPAT_VERSION,
+        "management_version": __version__, "rates_mode": "basic",
+        "product_name": PRODUCT, "product_version": __version__, "rabbitmq_version": __version__,
+        "rabbitmq_api_version": RABBIT_COMPAT_VERSION,
         "erlang_version": "none (Python)", "cluster_name": cluster_name_of(call),
         "node": call.node_name, "exchange_types": [
             {"name": t, "description": "", "enabled": True}
             for t in ("direct", "fanout", "topic", "headers", "x-consistent-hash")],
-        "message_stats": stats, "queue_totals": totals,
+        # This node's channels, as RabbitMQ counts them: a publish nothing routes counts too.
+        "message_stats": call.api.rates.node_stats(call.broker.stats),
+        "churn_rates": call.api.rates.churn_rates(call.broker.stats),
+        "queue_totals": {**totals, **call.api.rates.totals_details()},
         "object_totals": {
             "connections": len(conns), "channels": sum(len(p.conn.channels) for p in conns if p.conn),
             "exchanges": sum(len(vh.exchanges) + 1 for vh in vhosts),
@@ -143,7 +150,9 @@ def _node_json(call: Call) -> dict[str, Any]:
     watermark = getattr(call.node, "watermark_bytes", None)
     return {
         "name": call.node_name, "type": "disc", "running": True, "os_pid": str(os.getpid()),
-        "mem_used": resources.rss_bytes(), "mem_limit": watermark() if callable(watermark) else 0,
+        # What the memory alarm compares with mem_limit (leveret/node/resources.py); RSS is mem_rss.
+        "mem_used": resources.memory_use(call.broker, call.node.amqp).total,
+        "mem_limit": watermark() if callable(watermark) else 0,
         "mem_alarm": call.broker.memory_alarm, "disk_free_alarm": call.broker.disk_alarm,
         "fd_used": resources.open_fds(),
         "sockets_used": len(call.node.amqp.connections), "proc_used": 1, "processors": os.cpu_count() or 1,
@@ -153,6 +162,7 @@ def _node_json(call: Call) -> dict[str, Any]:
         "region": call.node.config.region,
         "owned_queues": _owned_here(call),
         "applications": [{"name": "leveret", "description": PRODUCT, "version": __version__}],
+        **api_operator.node_extras(call),
     }
 
 
@@ -215,8 +225,9 @@ async def vhost_get(call: Call) -> dict[str, Any]:
     return await _vhost_json(call.vhost(), call)
 
 
+# "vhost": rabbitmqadmin sends it with every declare, and RabbitMQ ignores it.
 VHOST_FIELDS = frozenset({"name", "description", "tags", "tracing", "default_queue_type", "metadata",
-                          "protected_from_deletion"})
+                          "protected_from_deletion", "vhost"})
 
 
 def _tags(value: Any, what: str) -> tuple[str, ...]:
@@ -291,7 +302,8 @@ async def user_get(call: Call) -> dict[str, Any]:
     return user_json(_user(call))
 
 
-USER_FIELDS = frozenset({"name", "password", "password_hash", "hashing_algorithm", "tags", "limits"})
+USER_FIELDS = frozenset({"name", "password", "password_hash", "hashing_algorithm", "tags", "limits",
+                         "vhost"})  # rabbitmqadmin sends "vhost" with every declare; RabbitMQ ignores it
 
 
 def _user_limits(body: dict[str, Any], old: User | None) -> dict[str, int]:

@@ -50,7 +50,7 @@ def _open(call: Call) -> list[AMQPProtocol]:
 
 async def connections(call: Call) -> Any:
     node = call.node_name
-    return listing.apply([connection_json(p, node) for p in _open(call)], call.query)
+    return listing.apply([connection_json(p, node, call.api.rates) for p in _open(call)], call.query)
 
 
 def _connection(call: Call) -> AMQPProtocol:
@@ -62,7 +62,7 @@ def _connection(call: Call) -> AMQPProtocol:
 
 
 async def connection_get(call: Call) -> dict[str, Any]:
-    return connection_json(_connection(call), call.node_name)
+    return connection_json(_connection(call), call.node_name, call.api.rates)
 
 
 async def connection_close(call: Call) -> web.Response:
@@ -81,12 +81,13 @@ async def connection_close(call: Call) -> web.Response:
 async def connection_channels(call: Call) -> Any:
     proto = _connection(call)
     assert proto.conn is not None
-    return [channel_json(proto, ch, call.node_name) for ch in proto.conn.channels.values()]
+    return [channel_json(proto, ch, call.node_name, call.api.rates) for ch in proto.conn.channels.values()]
 
 
 def _all_channels(call: Call) -> list[dict[str, Any]]:
     node = call.node_name
-    return [channel_json(p, ch, node) for p in _open(call) if p.conn is not None for ch in p.conn.channels.values()]
+    return [channel_json(p, ch, node, call.api.rates) for p in _open(call) if p.conn is not None
+            for ch in p.conn.channels.values()]
 
 
 async def channels(call: Call) -> Any:

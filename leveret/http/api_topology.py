@@ -350,7 +350,9 @@ def _exchanges_of(call: Call) -> list[tuple[str, Exchange | None]]:
 
 async def exchanges(call: Call) -> Any:
     rates = call.api.rates
-    return listing.apply([exchange_json(v, x, rates) for v, x in _exchanges_of(call)], call.query)
+    vhosts = call.broker.vhosts
+    return listing.apply([exchange_json(v, x, rates, vhosts[v].default_published_in) for v, x in _exchanges_of(call)],
+                         call.query)
 
 
 def _exchange(call: Call, write: bool = False) -> tuple[VirtualHost, Exchange | None]:
@@ -366,7 +368,7 @@ def _exchange(call: Call, write: bool = False) -> tuple[VirtualHost, Exchange | 
 
 async def exchange_get(call: Call) -> dict[str, Any]:
     vh, x = _exchange(call)
-    return exchange_json(vh.name, x, call.api.rates)
+    return exchange_json(vh.name, x, call.api.rates, vh.default_published_in)
 
 
 EXCHANGE_FIELDS = frozenset({"type", "durable", "auto_delete", "internal", "arguments", "name", "vhost",

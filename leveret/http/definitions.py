@@ -56,8 +56,9 @@ async def export(call: Call) -> Any:
     names = {vh.name for vh in vhosts}
     whole = "vhost" not in call.params
     out: dict[str, Any] = {
-        "rabbit_version": RABBIT_COMPAT_VERSION, "rabbitmq_version": RABBIT_COMPAT_VERSION,
-        "product_name": PRODUCT, "product_version": __version__,
+        # One version everywhere (AMQP, Prometheus, overview): Leveret's; the RabbitMQ API level apart.
+        "rabbit_version": __version__, "rabbitmq_version": __version__,
+        "product_name": PRODUCT, "product_version": __version__, "rabbitmq_api_version": RABBIT_COMPAT_VERSION,
     }
     if whole:
         # Users whose hash RabbitMQ cannot check (made by ``leveret users add`` or the default

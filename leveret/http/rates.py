@@ -1,35 +1,73 @@
-"""Message rates from samples of the engine's counters (core/engine/stats.py).
+"""Message rates from samples of the engine's counters (core/engine/stats.py, core/engine/node_stats.py).
 
 Every ``INTERVAL`` seconds the sampler copies each queue's and exchange's
-counters; a rate is the difference between the last two samples over their
-time apart, so it lags by at most one interval, as RabbitMQ's default
-``rates_mode = basic`` does (5 s there too). A sample of 10,000 queues is one
-tuple each: the engine itself keeps only the counters.
+counters, the queues' depths, the node's counters and each AMQP connection's
+and channel's; a rate is the difference between the last two samples over
+their time apart, so it lags by at most one interval, as RabbitMQ's default
+``rates_mode = basic`` does (5 s there too). A sample of 10,000 queues is a
+few tuples each: the engine itself keeps only the counters.
+
+The node-wide part of each sample is also kept for ``HISTORY`` samples (10
+minutes, as RabbitMQ's ``basic`` retention keeps 600 s), so the console can
+chart the last minutes after a reload (/api/leveret/samples).
 """
 
 from __future__ import annotations
 
 import asyncio
 import time
-from typing import Any
+from collections import deque
+from typing import TYPE_CHECKING, Any
 
 from core.engine.broker import Broker
+from core.engine.node_stats import NodeStats
 from core.engine.stats import QUEUE_FIELDS, exchange_counters, queue_counters
 from core.model.tasks import stop_task
 
-INTERVAL = 5.0
-EXCHANGE_FIELDS = ("publish_in",)
+if TYPE_CHECKING:
+    from amqp_frontend.server import AMQPServer
 
-Key = tuple[str, ...]
+INTERVAL = 5.0
+HISTORY = 120
+EXCHANGE_FIELDS = ("publish_in",)
+# RabbitMQ's overview (and channel) message_stats, from NodeStats in this order.
+NODE_FIELDS = ("publish", "confirm", "return_unroutable", "drop_unroutable", "deliver_get", "get", "get_no_ack",
+               "deliver", "deliver_no_ack", "redeliver", "ack", "get_empty")
+CHURN_FIELDS = ("connection_created", "connection_closed", "channel_created", "channel_closed",
+                "queue_declared", "queue_created", "queue_deleted")
+DEPTH_FIELDS = ("messages", "messages_ready", "messages_unacknowledged")
+OCTET_FIELDS = ("recv_oct", "send_oct")
+
+Key = tuple[Any, ...]
+
+
+def node_counters(s: NodeStats) -> tuple[int, ...]:
+    return (s.received, s.confirmed, s.unroutable_returned, s.unroutable_dropped, s.delivered,
+            s.delivered_get_manual_ack, s.delivered_get_auto_ack, s.delivered_consume_manual_ack,
+            s.delivered_consume_auto_ack, s.redelivered, s.acknowledged, s.get_empty)
+
+
+def churn_counters(s: NodeStats) -> tuple[int, ...]:
+    return (s.connections_opened, s.connections_closed, s.channels_opened, s.channels_closed,
+            s.queues_declared, s.queues_created, s.queues_deleted)
+
+
+def depth(q: Any) -> tuple[int, int, int]:
+    ch = q.default
+    ready = len(ch.ready)
+    return ready + ch.unacked, ready, ch.unacked
 
 
 class RateSampler:
-    def __init__(self, broker: Broker, interval: float = INTERVAL) -> None:
+    def __init__(self, broker: Broker, interval: float = INTERVAL, amqp: AMQPServer | None = None) -> None:
         self.broker = broker
         self.interval = interval
+        self.amqp = amqp  # its connections' and channels' counters are sampled too
         self._prev: tuple[float, dict[Key, tuple[int, ...]]] = (time.monotonic(), {})
         self._last: tuple[float, dict[Key, tuple[int, ...]]] = self._prev
         self._task: asyncio.Task[None] | None = None
+        # (unix time, {field: value}) of the node's totals, oldest first: the console's charts.
+        self.history: deque[tuple[float, dict[str, float]]] = deque(maxlen=HISTORY)
 
     def start(self) -> None:
         self.sample()
@@ -45,12 +83,36 @@ class RateSampler:
 
     def sample(self) -> None:
         snap: dict[Key, tuple[int, ...]] = {}
+        totals = [0, 0, 0]
         for vh in self.broker.vhosts.values():
             for q in vh.queues.values():
                 snap[("q", vh.name, q.name)] = queue_counters(q)
+                d = snap[("d", vh.name, q.name)] = depth(q)
+                totals[0] += d[0]
+                totals[1] += d[1]
+                totals[2] += d[2]
             for x in vh.exchanges.values():
                 snap[("x", vh.name, x.name)] = exchange_counters(x)
+            snap[("x", vh.name, "")] = (vh.default_published_in,)
+        stats = self.broker.stats
+        snap[("n",)] = node_counters(stats)
+        snap[("churn",)] = churn_counters(stats)
+        snap[("totals",)] = tuple(totals)
+        if self.amqp is not None:
+            for proto in self.amqp.connections:
+                snap[("c", id(proto))] = (proto.recv_oct, proto.send_oct)
+                conn = proto.conn
+                if conn is not None:
+                    for ch in conn.channels.values():
+                        snap[("ch", id(ch))] = node_counters(ch.own)
         self._prev, self._last = self._last, (time.monotonic(), snap)
+        self._remember()
+
+    def _remember(self) -> None:
+        point: dict[str, float] = dict(zip(DEPTH_FIELDS, self._last[1][("totals",)], strict=True))
+        for field, rate in zip(NODE_FIELDS, self.rates(("n",), len(NODE_FIELDS)), strict=True):
+            point[field + "_rate"] = rate
+        self.history.append((time.time(), point))
 
     def rates(self, key: Key, width: int) -> tuple[float, ...]:
         t0, before = self._prev
@@ -66,6 +128,28 @@ class RateSampler:
 
     def exchange_stats(self, vhost: str, name: str, counters: tuple[int, ...]) -> dict[str, Any]:
         return stats_json(EXCHANGE_FIELDS, counters, self.rates(("x", vhost, name), 1))
+
+    def depth_details(self, vhost: str, name: str) -> dict[str, Any]:
+        """messages_details, messages_ready_details, messages_unacknowledged_details of one queue."""
+        rates = self.rates(("d", vhost, name), len(DEPTH_FIELDS))
+        return {f + "_details": {"rate": r} for f, r in zip(DEPTH_FIELDS, rates, strict=True)}
+
+    def node_stats(self, stats: NodeStats) -> dict[str, Any]:
+        return stats_json(NODE_FIELDS, node_counters(stats), self.rates(("n",), len(NODE_FIELDS)))
+
+    def churn_rates(self, stats: NodeStats) -> dict[str, Any]:
+        return stats_json(CHURN_FIELDS, churn_counters(stats), self.rates(("churn",), len(CHURN_FIELDS)))
+
+    def totals_details(self) -> dict[str, Any]:
+        rates = self.rates(("totals",), len(DEPTH_FIELDS))
+        return {f + "_details": {"rate": r} for f, r in zip(DEPTH_FIELDS, rates, strict=True)}
+
+    def connection_octets(self, proto: Any) -> dict[str, Any]:
+        rates = self.rates(("c", id(proto)), 2)
+        return stats_json(OCTET_FIELDS, (proto.recv_oct, proto.send_oct), rates)
+
+    def channel_stats(self, ch: Any) -> dict[str, Any]:
+        return stats_json(NODE_FIELDS, node_counters(ch.own), self.rates(("ch", id(ch)), len(NODE_FIELDS)))
 
 
 def stats_json(fields: tuple[str, ...], counters: tuple[int, ...], rates: tuple[float, ...]) -> dict[str, Any]:

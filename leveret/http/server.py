@@ -30,6 +30,7 @@ from leveret.http import (
     api_conns,
     api_federation,
     api_limits,
+    api_operator,
     api_retention,
     api_shovels,
     api_topology,
@@ -114,13 +115,14 @@ class ManagementAPI:
     def __init__(self, node: NodeView) -> None:
         self.node = node
         self.started_at = time.time()
-        self.rates = RateSampler(node.broker)
+        self.rates = RateSampler(node.broker, amqp=node.amqp)
         self.router = Router()
         for module in (api_admin, api_conns, api_limits, api_topology, api_retention, api_shovels, api_federation,
-                       definitions):
+                       definitions, api_operator):
             module.register(self.router)
         self.app = web.Application(client_max_size=MAX_BODY)
         console.register(self.app)
+        api_operator.register_app(self.app)  # /cli/rabbitmqadmin
         self.app.router.add_route("*", "/api/{tail:.*}", self._dispatch)
         self._runner: web.AppRunner | None = None
         self._site: web.TCPSite | None = None

@@ -12,10 +12,12 @@ from typing import TYPE_CHECKING, Any
 from urllib.parse import quote, quote_plus
 
 from core.engine.exchange import Binding, Exchange
+from core.engine.paging import MESSAGE_BYTES, PagedReady
 from core.engine.policy import effective_definition
 from core.engine.queue import Queue
 from core.engine.stats import exchange_counters, queue_counters
 from core.engine.stream import StreamQueue
+from core.model import properties
 from core.model.policy import Policy
 
 if TYPE_CHECKING:
@@ -66,13 +68,42 @@ def queue_json(q: Queue, node: str, rates: RateSampler, owner_counts: tuple[int,
         "policy": policy.name if policy else None, "operator_policy": operator.name if operator else None,
         "effective_policy_definition": effective_definition(policy, operator), "exclusive_consumer_tag": None,
         "message_stats": rates.queue_stats(q.vhost, q.name, queue_counters(q)),
+        **rates.depth_details(q.vhost, q.name), **queue_extras(q, consumers, ready),
     }
 
 
-def exchange_json(vhost: str, x: Exchange | None, rates: RateSampler) -> dict[str, Any]:
+def queue_extras(q: Queue, consumers: int, ready: int) -> dict[str, Any]:
+    """The fields RabbitMQ's queue view adds that tools and the console read, from what Leveret keeps."""
+    ch = q.default
+    in_memory = ch.ready.mem if isinstance(ch.ready, PagedReady) else ch.ready
+    head = in_memory[0] if len(in_memory) else None
+    stamp = properties.decode(head.message.props).get("timestamp") if head is not None else None
+    # What a consumer could take now (RabbitMQ samples how often its consumers could): 1.0 when
+    # some consumer has credit or nothing waits, 0.0 when messages wait and no consumer takes them.
+    if consumers == 0:
+        utilisation: float | None = None
+    elif ready == 0 or any(c.sink.has_credit(c) for c in ch.consumers):
+        utilisation = 1.0
+    else:
+        utilisation = 0.0
+    return {
+        # The bodies the memory alarm counts for this queue plus Leveret's per-message estimate.
+        "memory": ch.memory_bytes + len(in_memory) * MESSAGE_BYTES,
+        "head_message_timestamp": stamp if stamp is not None else "",
+        "consumer_utilisation": utilisation, "consumer_capacity": utilisation or 0.0,
+        # Counted over the messages held in memory (paged-out messages are not read back for it).
+        "messages_persistent": sum(1 for qm in in_memory if qm.message.persistent) if q.durable else 0,
+        "message_bytes": ch.ready_bytes, "messages_paged_out": ch.ready.paged if isinstance(ch.ready, PagedReady)
+        else 0,
+    }
+
+
+def exchange_json(vhost: str, x: Exchange | None, rates: RateSampler, default_published_in: int = 0) -> dict[str, Any]:
+    """``default_published_in``: the vhost's count for the default exchange (``x`` None)."""
     if x is None:  # the default exchange, named "" here as in RabbitMQ
         return {"name": "", "vhost": vhost, "type": "direct", "durable": True, "auto_delete": False,
-                "internal": False, "arguments": {}, "user_who_performed_action": "rmq-internal"}
+                "internal": False, "arguments": {}, "user_who_performed_action": "rmq-internal",
+                "message_stats": rates.exchange_stats(vhost, "", (default_published_in,))}
     return {
         "name": x.name, "vhost": vhost, "type": x.type, "durable": x.durable, "auto_delete": x.auto_delete,
         "internal": x.internal, "arguments": jsonable(x.arguments), "user_who_performed_action": "",
@@ -139,7 +170,7 @@ def connection_name(proto: AMQPProtocol) -> str:
     return f"{peer[0]}:{peer[1]} -> {here}"
 
 
-def connection_json(proto: AMQPProtocol, node: str) -> dict[str, Any]:
+def connection_json(proto: AMQPProtocol, node: str, rates: RateSampler | None = None) -> dict[str, Any]:
     conn = proto.conn
     assert conn is not None
     peer = conn.peer or ("", 0)
@@ -158,6 +189,7 @@ def connection_json(proto: AMQPProtocol, node: str) -> dict[str, Any]:
         "auth_mechanism": conn.auth_mechanism or "PLAIN",
         "ssl": proto.transport is not None and proto.transport.get_extra_info("ssl_object") is not None,
         "connected_at": int(_wall_clock_of(conn.opened_at) * 1000),
+        **(rates.connection_octets(proto) if rates is not None else {}),
     }
 
 
@@ -166,7 +198,7 @@ def _wall_clock_of(monotonic_at: float) -> float:
     return time.time() - (time.monotonic() - monotonic_at)
 
 
-def channel_json(proto: AMQPProtocol, ch: Channel, node: str) -> dict[str, Any]:
+def channel_json(proto: AMQPProtocol, ch: Channel, node: str, rates: RateSampler | None = None) -> dict[str, Any]:
     conn = proto.conn
     assert conn is not None
     peer = conn.peer or ("", 0)
@@ -178,6 +210,7 @@ def channel_json(proto: AMQPProtocol, ch: Channel, node: str) -> dict[str, Any]:
         "consumer_count": len(ch.consumers), "messages_unacknowledged": len(ch.unacked),
         "prefetch_count": ch.prefetch_per_consumer, "global_prefetch_count": ch.prefetch_global,
         "confirm": ch.confirm, "transactional": ch.tx is not None,
+        **({"message_stats": rates.channel_stats(ch)} if rates is not None else {}),
     }
 
 
@@ -192,7 +225,7 @@ def consumers_json(proto: AMQPProtocol, ch: Channel) -> list[dict[str, Any]]:
         "consumer_tag": c.tag, "queue": {"name": c.queue.name, "vhost": c.queue.vhost},
         "channel_details": details, "ack_required": not c.no_ack, "exclusive": c.exclusive,
         "prefetch_count": c.prefetch, "arguments": jsonable(c.arguments), "active": True,
-        "activity_status": "up", "consumer_timeout": None,
+        "activity_status": "up",  # no "consumer_timeout": None: rabbitmqadmin's table cannot print it
     } for c in ch.consumers.values()]
 
 

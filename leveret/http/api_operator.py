@@ -1,0 +1,223 @@
+"""The endpoints operators' tools call that the rest of the API lacked, in RabbitMQ's shapes.
+
+``/api/nodes/{node}/memory`` (what the memory alarm counts, by kind), ``/api/feature-flags``,
+``/api/global-parameters``, ``/api/auth``, the certificate-expiration and protocol-listener
+health checks, and ``/cli/rabbitmqadmin`` (the management CLI's download, served from
+Debian's rabbitmq-server package when it is installed). ``/api/leveret/samples``: the
+server-side samples the console charts (leveret/http/rates.py).
+"""
+
+from __future__ import annotations
+
+import os
+import resource
+import ssl
+import time
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from aiohttp import web
+
+from leveret.http.errors import bad_request, not_found
+from leveret.http.responses import json_response
+from leveret.node import resources
+
+if TYPE_CHECKING:
+    from leveret.http.routing import Router
+    from leveret.http.server import Call
+
+# Where a user downloads rabbitmqadmin from (RabbitMQ serves it from the management plugin).
+RABBITMQADMIN = Path(os.environ.get("LEVERET_RABBITMQADMIN", "/usr/bin/rabbitmqadmin"))
+
+# Feature flags RabbitMQ 3.10 reports whose behaviour Leveret has (it has no flag to turn off).
+FEATURE_FLAGS = (
+    ("drop_unroutable_metric", "Count unroutable publishes to be dropped in stats", "rabbitmq_management_agent"),
+    ("empty_basic_get_metric", "Count AMQP `basic.get` on empty queues in stats", "rabbitmq_management_agent"),
+    ("implicit_default_bindings", "Default bindings are now implicit, instead of being stored in the database",
+     "rabbit"),
+    ("maintenance_mode_status", "Maintenance mode status", "rabbit"),
+    ("quorum_queue", "Support queues of type `quorum`", "rabbit"),
+    ("stream_queue", "Support queues of type `stream`", "rabbit"),
+    ("user_limits", "Configure connection and channel limits for a user", "rabbit"),
+    ("virtual_host_metadata", "Virtual host metadata (description, tags, etc)", "rabbit"),
+)
+
+UNITS = {"days": 86400, "weeks": 7 * 86400, "months": 30 * 86400, "years": 365 * 86400}
+
+
+def register(r: Router) -> None:
+    r.add("nodes/{node}/memory", GET=(node_memory, "monitoring"))
+    r.add("feature-flags", GET=(feature_flags, "monitoring"))
+    r.add("global-parameters", GET=(global_parameters, "administrator"))
+    r.add("global-parameters/{name}", GET=(global_parameter, "administrator"))
+    r.add("auth", GET=(auth, "management"))
+    r.add("health/checks/certificate-expiration/{within}/{unit}", GET=(certificate_expiration, "monitoring"))
+    r.add("health/checks/protocol-listener/{protocol}", GET=(protocol_listener, "monitoring"))
+    r.add("leveret/samples", GET=(samples, "management"))
+
+
+def register_app(app: web.Application) -> None:
+    app.router.add_get("/cli/rabbitmqadmin", rabbitmqadmin)
+    app.router.add_get("/cli/", rabbitmqadmin)
+
+
+async def rabbitmqadmin(request: web.Request) -> web.StreamResponse:
+    if not RABBITMQADMIN.is_file():
+        return json_response({"error": "Object Not Found", "reason": (
+            f"rabbitmqadmin is not installed on this node ({RABBITMQADMIN}): install Debian's rabbitmq-server "
+            "package, or take it from https://github.com/rabbitmq/rabbitmq-server "
+            "(deps/rabbitmq_management/bin/rabbitmqadmin)")}, status=404)
+    return web.FileResponse(RABBITMQADMIN, headers={
+        "Content-Type": "application/octet-stream", "Content-Disposition": 'attachment; filename="rabbitmqadmin"'})
+
+
+def memory_breakdown(call: Call) -> dict[str, Any]:
+    """RabbitMQ's categories where Leveret has them; the rest of the process is ``other_proc``."""
+    use = resources.memory_use(call.broker, call.node.amqp)
+    rss = resources.rss_bytes()
+    counted = use.total
+    return {
+        "connection_readers": 0, "connection_writers": 0, "connection_channels": 0,
+        "connection_other": use.partial_and_buffers,  # unparsed input, partial bodies, unwritten output
+        "queue_procs": use.bodies + use.index,  # message bodies and the per-message index
+        "quorum_queue_procs": 0, "stream_queue_procs": 0, "plugins": 0, "metrics": 0, "mgmt_db": 0,
+        "other_proc": max(0, rss - counted),  # the interpreter, code, and what Python has not given back
+        "binary": 0, "code": 0, "atom": 0, "other_ets": 0, "other_system": 0,
+        "allocated_unused": 0, "reserved_unallocated": 0,
+        "strategy": "rss",
+        # "erlang": what the memory alarm counts (docs/AMQP.md), "rss": the process.
+        "total": {"erlang": counted, "rss": rss, "allocated": rss},
+    }
+
+
+async def node_memory(call: Call) -> dict[str, Any]:
+    if call.params["node"] != call.node_name:
+        raise not_found(f"node '{call.params['node']}' not found (ask that node's own API)")
+    return {"memory": memory_breakdown(call)}
+
+
+async def feature_flags(call: Call) -> list[dict[str, Any]]:
+    return [{"name": n, "desc": d, "doc_url": "", "state": "enabled", "stability": "stable", "provided_by": p}
+            for n, d, p in FEATURE_FLAGS]
+
+
+def global_parameter_list(call: Call) -> list[dict[str, Any]]:
+    from leveret.http.api_admin import cluster_name_of
+
+    return [{"name": "cluster_name", "value": cluster_name_of(call)},
+            {"name": "internal_cluster_id", "value": f"leveret-cluster-id-{cluster_name_of(call)}"}]
+
+
+async def global_parameters(call: Call) -> list[dict[str, Any]]:
+    return global_parameter_list(call)
+
+
+async def global_parameter(call: Call) -> dict[str, Any]:
+    for p in global_parameter_list(call):
+        if p["name"] == call.params["name"]:
+            return p
+    raise not_found()
+
+
+async def auth(call: Call) -> dict[str, Any]:
+    return {"enable_uaa": False, "uaa_client_id": "", "uaa_location": ""}  # basic auth only, no OAuth 2
+
+
+def certificate_files(call: Call) -> list[str]:
+    cfg = call.node.config
+    return [f for f in (cfg.tls_cert, cfg.cluster_tls_cert) if f]
+
+
+def not_after(path: str) -> float:
+    """The first certificate of a PEM file's expiry (Unix time). The standard library decodes it
+    without the ``cryptography`` package, which Leveret does not depend on."""
+    decode = ssl._ssl._test_decode_cert  # type: ignore[attr-defined]
+    return float(ssl.cert_time_to_seconds(decode(path)["notAfter"]))
+
+
+def expiring(call: Call, seconds: float) -> list[dict[str, Any]]:
+    deadline = time.time() + seconds
+    out = []
+    for path in certificate_files(call):
+        try:
+            expires = not_after(path)
+        except (OSError, ssl.SSLError, ValueError, KeyError) as exc:
+            out.append({"certfile": path, "error": f"cannot read: {exc}"})
+            continue
+        if expires < deadline:
+            out.append({"certfile": path, "expires": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(expires))})
+    return out
+
+
+async def certificate_expiration(call: Call) -> Any:
+    unit = call.params["unit"]
+    if unit not in UNITS:
+        raise bad_request("Time unit not recognised. Supported units: days, weeks, months, years.")
+    try:
+        within = int(call.params["within"])
+    except ValueError:
+        raise bad_request("Invalid expiration value.") from None
+    if within < 0:
+        raise bad_request("Invalid expiration value.")
+    found = expiring(call, within * UNITS[unit])
+    if found:
+        return json_response({"status": "failed", "reason": "Certificates expiring", "expired": found}, status=503)
+    return {"status": "ok"}
+
+
+def protocols(call: Call) -> dict[str, int]:
+    """Listening protocols by RabbitMQ's names, with their ports."""
+    cfg = call.node.config
+    out = {"amqp": call.node.amqp.port, "http": call.api.port}
+    amqps = cfg.resolved_amqps_port
+    if amqps:
+        out["amqp/ssl"] = amqps
+    if cfg.prometheus_port:
+        out["http/prometheus"] = cfg.prometheus_port
+    if cfg.cluster_port and call.node.cluster is not None:
+        out["clustering"] = cfg.cluster_port
+    if cfg.grpc_port:
+        out["grpc"] = cfg.grpc_port  # Leveret's own (docs/GRPC.md)
+    return out
+
+
+PROTOCOL_ALIASES = {"amqp091": "amqp", "amqp0-9-1": "amqp", "amqps": "amqp/ssl", "prometheus": "http/prometheus",
+                    "https": "http"}
+
+
+async def protocol_listener(call: Call) -> Any:
+    wanted = call.params["protocol"].lower()
+    wanted = PROTOCOL_ALIASES.get(wanted, wanted)
+    listening = protocols(call)
+    if wanted in listening:
+        return {"status": "ok", "protocol": wanted}
+    return json_response({"status": "failed", "reason": "No active listener", "missing": wanted,
+                          "protocols": sorted(listening)}, status=503)
+
+
+async def samples(call: Call) -> dict[str, Any]:
+    """The node's totals every sample interval for the last minutes: (unix ms, fields) oldest first."""
+    rates = call.api.rates
+    return {"interval": rates.interval, "samples": [{"timestamp": int(t * 1000), **point}
+                                                    for t, point in rates.history]}
+
+
+def node_extras(call: Call) -> dict[str, Any]:
+    """What RabbitMQ's node view adds that the console's gauges and tools read: limits, totals, churn."""
+    node = call.node
+    disk_limit = getattr(node, "disk_free_limit_bytes", None)
+    try:
+        disk_free = resources.disk_free(node.config.data_dir)
+    except OSError:
+        disk_free = 0
+    try:
+        fd_total = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
+    except (OSError, ValueError):
+        fd_total = 0
+    return {
+        "disk_free": disk_free, "disk_free_limit": disk_limit() if callable(disk_limit) else 0,
+        "fd_total": fd_total, "sockets_total": fd_total,
+        # mem_used is what the memory alarm counts against mem_limit (docs/AMQP.md), RSS beside it.
+        "mem_calculation_strategy": "leveret_held_bytes", "mem_rss": resources.rss_bytes(),
+        **{k: v for k, v in call.api.rates.churn_rates(call.broker.stats).items()},
+    }
