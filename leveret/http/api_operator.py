@@ -9,10 +9,13 @@ server-side samples the console charts (leveret/http/rates.py).
 
 from __future__ import annotations
 
+import dataclasses
+import logging
 import os
 import resource
 import ssl
 import time
+from collections import deque
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -27,6 +30,8 @@ if TYPE_CHECKING:
     from leveret.http.server import Call
 
 # Where a user downloads rabbitmqadmin from (RabbitMQ serves it from the management plugin).
+log = logging.getLogger("leveret.http")
+
 RABBITMQADMIN = Path(os.environ.get("LEVERET_RABBITMQADMIN", "/usr/bin/rabbitmqadmin"))
 
 # Feature flags RabbitMQ 3.10 reports whose behaviour Leveret has (it has no flag to turn off).
@@ -54,9 +59,13 @@ def register(r: Router) -> None:
     r.add("health/checks/certificate-expiration/{within}/{unit}", GET=(certificate_expiration, "monitoring"))
     r.add("health/checks/protocol-listener/{protocol}", GET=(protocol_listener, "monitoring"))
     r.add("leveret/samples", GET=(samples, "management"))
+    r.add("leveret/environment", GET=(environment, "administrator"))
+    r.add("leveret/node-limits", PUT=(node_limits_put, "administrator"))
+    r.add("leveret/log-tail", GET=(log_tail, "administrator"))
 
 
 def register_app(app: web.Application) -> None:
+    install_log_tail()
     app.router.add_get("/cli/rabbitmqadmin", rabbitmqadmin)
     app.router.add_get("/cli/", rabbitmqadmin)
 
@@ -191,8 +200,11 @@ async def protocol_listener(call: Call) -> Any:
     listening = protocols(call)
     if wanted in listening:
         return {"status": "ok", "protocol": wanted}
+    # "listeners" is Leveret's: the ports too (rabbitmq-diagnostics listeners prints them).
     return json_response({"status": "failed", "reason": "No active listener", "missing": wanted,
-                          "protocols": sorted(listening)}, status=503)
+                          "protocols": sorted(listening),
+                          "listeners": [{"protocol": p, "port": port} for p, port in sorted(listening.items())]},
+                         status=503)
 
 
 async def samples(call: Call) -> dict[str, Any]:
@@ -221,3 +233,79 @@ def node_extras(call: Call) -> dict[str, Any]:
         "mem_calculation_strategy": "leveret_held_bytes", "mem_rss": resources.rss_bytes(),
         **{k: v for k, v in call.api.rates.churn_rates(call.broker.stats).items()},
     }
+
+
+# -- what rabbitmqctl's environment, set_vm_memory_high_watermark, set_disk_free_limit and
+# -- rabbitmq-diagnostics log_tail ask of a node (Leveret's own paths: RabbitMQ uses Erlang RPC for them)
+SECRET = ("password", "pass", "dsn", "secret")
+
+
+async def environment(call: Call) -> dict[str, Any]:
+    """The node's configuration, secrets blanked (rabbitmqctl environment prints the app environment)."""
+    cfg = dataclasses.asdict(call.node.config)
+    return {k: ("********" if v and any(s in k for s in SECRET) else v) for k, v in cfg.items()}
+
+
+async def node_limits_put(call: Call) -> web.Response:
+    body = await call.body(frozenset({"vm_memory_high_watermark", "disk_free_limit"}))
+    cfg = call.node.config
+    if "vm_memory_high_watermark" in body:
+        mark = body["vm_memory_high_watermark"]
+        if isinstance(mark, dict) and set(mark) == {"absolute"}:
+            try:
+                absolute = resources.parse_disk_free_limit(str(mark["absolute"]), resources.total_memory())
+            except ValueError:
+                raise bad_request(f"absolute watermark {mark['absolute']!r} is not bytes (1GB, 512MiB)") from None
+            if absolute <= 1:
+                raise bad_request("an absolute watermark must be more than 1 byte")
+            value = float(absolute)
+        elif isinstance(mark, (int, float)) and not isinstance(mark, bool) and 0 <= mark <= 1:
+            value = float(mark)  # a fraction of RAM, as RabbitMQ's vm_memory_high_watermark
+        else:
+            raise bad_request("vm_memory_high_watermark: a fraction of RAM (0.0-1.0) or {\"absolute\": \"1GB\"}")
+        cfg.memory_high_watermark = value
+    if "disk_free_limit" in body:
+        text = str(body["disk_free_limit"])
+        try:
+            resources.parse_disk_free_limit(text, resources.total_memory())
+        except ValueError as exc:
+            raise bad_request(str(exc).removeprefix("--disk-free-limit: ")) from None
+        cfg.disk_free_limit = text
+    log.info("node limits changed", extra={"memory_high_watermark": cfg.memory_high_watermark,
+                                          "disk_free_limit": cfg.disk_free_limit, "user": call.user.name})
+    return web.Response(status=204)
+
+
+class LogTail(logging.Handler):
+    """The node's last log lines, formatted as its own log handler formats them, for log_tail."""
+
+    def __init__(self, lines: int = 1000) -> None:
+        super().__init__()
+        self.lines: deque[str] = deque(maxlen=lines)
+
+    def emit(self, record: logging.LogRecord) -> None:
+        root = logging.getLogger().handlers
+        formatter = next((h.formatter for h in root if h is not self and h.formatter is not None), None)
+        try:
+            self.lines.append((formatter or logging.Formatter()).format(record))
+        except Exception:  # a record that does not format must not break logging
+            self.handleError(record)
+
+
+TAIL = LogTail()
+
+
+def install_log_tail() -> None:
+    root = logging.getLogger()
+    if TAIL not in root.handlers:
+        root.addHandler(TAIL)
+
+
+async def log_tail(call: Call) -> list[str]:
+    try:
+        n = int(call.query.get("lines", "50"))
+    except ValueError:
+        raise bad_request("lines must be an integer") from None
+    if n < 0:
+        raise bad_request("lines must not be negative")
+    return list(TAIL.lines)[-n:] if n else []

@@ -359,10 +359,11 @@ class Node:
         RSS is not the memory alarm's input because CPython rarely returns freed
         memory, so an alarm on it would never clear; the log line gives both.
         """
-        limit = self.watermark_bytes()
-        disk_limit = self.disk_free_limit_bytes()
         while True:
             await asyncio.sleep(0.5)
+            # Read each time: `leveret ctl set_vm_memory_high_watermark` / `set_disk_free_limit` change them.
+            limit = self.watermark_bytes()
+            disk_limit = self.disk_free_limit_bytes()
             # Paged queues hold only their window in memory (core/engine/paging.py): the node-wide
             # cap pages the largest ones out before the alarm would block publishers.
             paging.enforce_node_cap((ch for vh in self.broker.vhosts.values() for q in vh.queues.values()
