@@ -289,6 +289,9 @@ class Channel:
         assert vhost is not None
         self.stats.received += 1
         self.own.received += 1
+        size = len(message.body)
+        self.stats.message_sizes[((size - 1).bit_length() + 1) >> 1] += 1  # ceil(log4(size)): the histogram
+        self.stats.message_bytes += size
         tx_join = self._tx_join
         outcome = publish.publish(self.conn.broker, vhost, exchange, message, self.confirm or tx_join is not None)
         if not outcome.routed:

@@ -7,10 +7,15 @@ RabbitMQ's Grafana dashboards query them by name.
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import time
 import urllib.error
+import urllib.parse
 import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pika
 import pytest
@@ -107,14 +112,40 @@ def test_metrics_after_amqp_traffic(node: MetricsNode) -> None:
         assert value(found, "rabbitmq_queue_messages_ready") == 0
         assert value(found, "rabbitmq_queue_messages_unacked") == 1
         assert value(found, "rabbitmq_queue_messages") == 1
-        assert value(found, "rabbitmq_process_resident_memory_bytes") > 10_000_000
+        # The alarm's measure under the name the dashboards' memory panel reads; RSS apart.
+        held = sum(v for (n, _), v in found.items() if n == "leveret_memory_held_bytes")
+        assert 0 < value(found, "rabbitmq_process_resident_memory_bytes") < 10_000_000
+        assert abs(value(found, "rabbitmq_process_resident_memory_bytes") - held) < 1_000_000
+        assert value(found, "leveret_process_resident_memory_bytes") > 10_000_000
         assert value(found, "rabbitmq_resident_memory_limit_bytes") > 0
         assert value(found, "rabbitmq_alarms_memory_used_watermark") == 0
         build = [labels for (name, labels) in found if name == "rabbitmq_build_info"]
         assert len(build) == 1 and dict(build[0])["product_name"] == "Leveret"
         assert {"rabbitmq_version", "erlang_version"} <= dict(build[0]).keys()
         ident = [dict(labels) for (name, labels) in found if name == "rabbitmq_identity_info"]
-        assert ident and ident[0]["rabbitmq_cluster"] == "leveret" and ident[0]["rabbitmq_node"]
+        # A single node's cluster is named after the node, as RabbitMQ's (so two nodes are not one cluster).
+        assert ident and ident[0]["rabbitmq_cluster"] == ident[0]["rabbitmq_node"] != ""
+        assert value(found, "rabbitmq_global_publishers", **amqp) == 0  # the publishing connection closed
+        assert value(found, "rabbitmq_queues_declared_total") == 1
+        assert value(found, "rabbitmq_queues_created_total") == 1
+        assert value(found, "rabbitmq_queues_deleted_total") == 0
+        # 7 bodies of 2-5 bytes, all in the first bucket (64 B); one body of 1000 B below.
+        assert value(found, "rabbitmq_message_size_bytes_bucket", le="64", **amqp) == 7
+        assert value(found, "rabbitmq_message_size_bytes_count", **amqp) == 7
+        # basic.get redeliveries are counted (RabbitMQ 3.10.8 counts 2 for get, nack-requeue, get)
+        ch2 = conn.channel()
+        ch2.queue_declare("metrics-redeliver")
+        ch2.basic_publish("", "metrics-redeliver", b"r" * 1000)
+        method, _, _ = ch2.basic_get("metrics-redeliver")
+        ch2.basic_nack(method.delivery_tag, requeue=True)
+        method, _, _ = ch2.basic_get("metrics-redeliver")
+        ch2.basic_ack(method.delivery_tag)
+        again = samples(node.scrape())
+        assert value(again, "rabbitmq_global_messages_redelivered_total", **classic) == 1
+        assert value(again, "rabbitmq_global_publishers", **amqp) == 1
+        assert value(again, "rabbitmq_message_size_bytes_bucket", le="1024", **amqp) == 8
+        assert value(again, "rabbitmq_message_size_bytes_bucket", le="64", **amqp) == 7
+        assert value(again, "rabbitmq_message_size_bytes_sum", **amqp) > 1000
         assert value(found, "leveret_group_commit_batch_size_count") >= 1
         # Aggregated: no per-queue label on /metrics.
         assert not [k for k in found if k[0] == "rabbitmq_queue_messages" and k[1]]
@@ -140,7 +171,11 @@ def test_per_object_and_detailed(node: MetricsNode) -> None:
     assert value(detailed, "rabbitmq_detailed_queue_messages", **q) == 1
     assert {name for name, _ in detailed} == {
         "rabbitmq_detailed_queue_messages_ready", "rabbitmq_detailed_queue_messages_unacked",
-        "rabbitmq_detailed_queue_messages", "rabbitmq_detailed_queue_info"}
+        "rabbitmq_detailed_queue_messages", "rabbitmq_detailed_queue_info", "rabbitmq_identity_info",
+        "rabbitmq_build_info"}
+    # With no family=: the identity only, as the dashboards join every panel on it.
+    assert {name for name, _ in samples(node.scrape("/metrics/detailed"))} == {
+        "rabbitmq_identity_info", "rabbitmq_build_info"}
     assert value(detailed, "rabbitmq_detailed_queue_info", queue_type="rabbit_classic_queue", membership="leader",
                  **q) == 1
     other = samples(node.scrape("/metrics/detailed?family=queue_coarse_metrics&vhost=other"))
@@ -189,3 +224,76 @@ def test_last_retention_report_totals(node: MetricsNode) -> None:
     assert value(found, "leveret_retention_last_run_messages", outcome="removed") == 3
     assert value(found, "leveret_retention_last_run_messages", outcome="archived") == 2
     assert value(found, "leveret_retention_last_run_bytes", outcome="kept") == 700
+
+
+PROMETHEUS = "/usr/bin/prometheus"
+PANELS = Path(__file__).with_name("data") / "rabbitmq_overview_panels.json"
+
+
+def evaluate_panels(prometheus_port: int, cluster: str) -> dict[str, list[Any]]:
+    """Each RabbitMQ-Overview panel's PromQL, as Grafana sends it, evaluated now: title -> result."""
+    out: dict[str, list[Any]] = {}
+    for panel in json.loads(PANELS.read_text())["panels"]:
+        expr = panel["expr"].replace("$rabbitmq_cluster", cluster).replace("$namespace", "")
+        url = f"http://127.0.0.1:{prometheus_port}/api/v1/query?" + urllib.parse.urlencode({"query": expr})
+        with urllib.request.urlopen(url, timeout=10) as resp:
+            answer = json.loads(resp.read())
+        assert answer["status"] == "success", (panel["title"], answer)
+        out[panel["title"]] = answer["data"]["result"]
+    return out
+
+
+@pytest.mark.skipif(not os.path.exists(PROMETHEUS), reason="needs Debian's prometheus package (scripts/bootstrap.sh)")
+def test_every_overview_dashboard_panel_has_data(node: MetricsNode, tmp_path: Path) -> None:
+    """A real Prometheus scrapes the node under traffic; every panel of RabbitMQ's official
+    RabbitMQ-Overview dashboard (41) must return data, as Grafana would draw it."""
+    port = free_port()
+    config = tmp_path / "prometheus.yml"
+    config.write_text(json.dumps({  # JSON is YAML
+        "global": {"scrape_interval": "1s", "evaluation_interval": "1s"},
+        "scrape_configs": [{"job_name": "leveret", "static_configs": [
+            {"targets": [f"127.0.0.1:{node.metrics_port}"]}]}]}))
+    prometheus = subprocess.Popen(
+        [PROMETHEUS, f"--config.file={config}", f"--storage.tsdb.path={tmp_path / 'tsdb'}",
+         f"--web.listen-address=127.0.0.1:{port}", "--log.level=warn"],
+        stdout=subprocess.DEVNULL, stderr=open(tmp_path / "prometheus.log", "wb"))
+    try:
+        conn = pika.BlockingConnection(pika.URLParameters(node.url))
+        ch = conn.channel()
+        ch.confirm_delivery()
+        ch.queue_declare("dash-q")
+        consumer = conn.channel()
+        consumer.basic_qos(prefetch_count=1)
+        consumer.basic_consume("dash-q", lambda c, m, p, b: None, auto_ack=False)  # one held unacked
+        cluster = ""
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:
+            for i in range(5):
+                ch.basic_publish("", "dash-q", f"m{i}".encode())
+            ch.basic_publish("amq.direct", "nowhere", b"lost")
+            method, _, _ = ch.basic_get("dash-q", auto_ack=True)
+            conn.process_data_events(time_limit=0.3)
+            if not cluster:
+                try:
+                    evaluate_panels(port, "")  # answers once Prometheus is up
+                except OSError:
+                    continue  # Prometheus still starting
+                ident = samples(node.scrape())
+                cluster = next(dict(labels)["rabbitmq_cluster"] for name, labels in ident
+                               if name == "rabbitmq_identity_info")
+                continue
+            results = evaluate_panels(port, cluster)
+            empty = [title for title, result in results.items() if not result]
+            if not empty:
+                break
+        assert cluster, "Prometheus never answered"
+        assert empty == [], f"panels without data: {empty}"
+        assert len(results) == 41
+        # The memory panel: limit minus what the alarm counts, positive while no alarm is set.
+        memory = results["Memory available before publishers blocked"]
+        assert float(memory[0]["value"][1]) > 0
+        assert float(results["Publishers"][0]["value"][1]) >= 1
+        conn.close()
+    finally:
+        prometheus.terminate()
+        prometheus.wait(timeout=30)

@@ -26,6 +26,8 @@ missing=""
 [ -x /usr/bin/etcdctl ] || missing="$missing etcd-client"
 # Debian's chromium for the web console tests (driven headless by playwright; never a downloaded browser).
 [ -x /usr/bin/chromium ] || missing="$missing chromium"
+# A real Prometheus for the Grafana-panel test (compat_tests/test_metrics_dashboard.py scrapes a node with it).
+[ -x /usr/bin/prometheus ] || missing="$missing prometheus"
 # libfaketime for the clock-step tests and the chaos suite's clock fault (bench/chaos_clock.py).
 [ -f /usr/lib/x86_64-linux-gnu/faketime/libfaketimeMT.so.1 ] || missing="$missing libfaketime"
 if [ -n "$missing" ]; then

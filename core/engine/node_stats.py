@@ -34,6 +34,8 @@ class NodeStats:
         "queues_declared",
         "queues_created",
         "queues_deleted",
+        "message_sizes",
+        "message_bytes",
     )
 
     def __init__(self) -> None:
@@ -57,6 +59,10 @@ class NodeStats:
         self.queues_declared = 0  # queue.declare (and its HTTP and gRPC equivalents), new or not
         self.queues_created = 0
         self.queues_deleted = 0
+        # Published body sizes by ceil(log4(size)) (index 3: up to 64 B, 4: up to 256 B, ...), the
+        # rabbitmq_message_size_bytes histogram's buckets; one list store per publish, no search.
+        self.message_sizes = [0] * 34
+        self.message_bytes = 0
 
     @property
     def delivered(self) -> int:
@@ -65,6 +71,6 @@ class NodeStats:
                 + self.delivered_get_manual_ack + self.delivered_get_auto_ack)
 
     def snapshot(self) -> dict[str, int]:
-        out = {name: getattr(self, name) for name in self.__slots__}
+        out = {name: getattr(self, name) for name in self.__slots__ if name != "message_sizes"}
         out["delivered"] = self.delivered
         return out

@@ -32,6 +32,7 @@ from prometheus_client import CollectorRegistry
 from prometheus_client.core import (
     CounterMetricFamily,
     GaugeMetricFamily,
+    HistogramMetricFamily,
     Metric,
     SummaryMetricFamily,
     UnknownMetricFamily,
@@ -96,6 +97,8 @@ class NodeCollector:
 
     def collect(self) -> Iterator[Metric]:
         view = self.view
+        # Every view, /metrics/detailed with no family= too: the dashboards join on these.
+        yield from self._identity()
         if view.families is None:
             yield from self._totals()
             yield from self._global_counters()
@@ -141,7 +144,18 @@ class NodeCollector:
                                 value=sum(len(c.channels) for c in conns))
         yield GaugeMetricFamily("rabbitmq_consumers", "Consumers currently connected", value=consumers)
         yield GaugeMetricFamily("rabbitmq_queues", "Queues available", value=len(self._local_queues()))
-        cfg = node.config
+
+    def _cluster_name(self) -> str:
+        """The cluster's name as /api/cluster-name says it (set_cluster_name; default: the node's name on a
+        single node, the etcd cluster's otherwise): two unrelated nodes are not one cluster on a dashboard."""
+        node = self.node
+        federation = node.federation
+        if federation is not None:
+            return federation.cluster_name()
+        return node.config.cluster if node.cluster is not None else node.broker.node_id
+
+    def _identity(self) -> Iterator[Metric]:
+        node = self.node
         build = UnknownMetricFamily(
             "rabbitmq_build_info", "RabbitMQ & Erlang/OTP version info",
             labels=["product_name", "product_version", "rabbitmq_version", "prometheus_plugin_version",
@@ -152,7 +166,7 @@ class NodeCollector:
         yield build
         ident = UnknownMetricFamily("rabbitmq_identity_info", "RabbitMQ node & cluster identity info",
                                     labels=["rabbitmq_node", "rabbitmq_cluster"])
-        ident.add_metric([node.broker.node_id, cfg.cluster], 1)
+        ident.add_metric([node.broker.node_id, self._cluster_name()], 1)
         yield ident
 
     def _global_counters(self) -> Iterator[Metric]:
@@ -176,6 +190,12 @@ class NodeCollector:
             c = CounterMetricFamily("rabbitmq_global_" + name, help_, labels=p)
             c.add_metric([PROTOCOL], value)
             yield c
+        publishers = GaugeMetricFamily("rabbitmq_global_publishers", "Current number of publishers", labels=p)
+        publishers.add_metric([PROTOCOL], sum(  # open channels that have published
+            1 for proto in self.node.amqp.connections if proto.conn is not None
+            for ch in proto.conn.channels.values() if ch.own.received))
+        yield publishers
+        yield self._message_sizes()
         consumers = GaugeMetricFamily("rabbitmq_global_consumers", "Current number of consumers", labels=p)
         consumers.add_metric([PROTOCOL], sum(
             len(ch.consumers) for vh in self.node.broker.vhosts.values() for q in vh.queues.values()
@@ -234,6 +254,15 @@ class NodeCollector:
             ("channel_get_empty_total", "Total number of times basic.get operations fetched no message", s.get_empty),
         ):
             yield CounterMetricFamily("rabbitmq_" + name, help_, value=value)
+        channels = [ch for proto in self.node.amqp.connections if proto.conn is not None
+                    for ch in proto.conn.channels.values()]
+        yield GaugeMetricFamily("rabbitmq_channel_consumers", "Consumers on a channel",
+                                value=sum(len(ch.consumers) for ch in channels))
+        yield GaugeMetricFamily("rabbitmq_channel_messages_unconfirmed", "Published but not yet confirmed messages",
+                                value=sum(ch.publish_seq - ch.confirmed_upto for ch in channels if ch.confirm))
+        yield CounterMetricFamily("rabbitmq_queue_messages_published_total",
+                                  "Total number of messages published to queues",
+                                  value=sum(q.published for q in self._local_queues()))
 
     def _churn(self) -> Iterator[Metric]:
         s = self.node.broker.stats
@@ -242,15 +271,39 @@ class NodeCollector:
             ("connections_closed_total", "Total number of connections closed or terminated", s.connections_closed),
             ("channels_opened_total", "Total number of channels opened", s.channels_opened),
             ("channels_closed_total", "Total number of channels closed", s.channels_closed),
+            ("queues_declared_total", "Total number of queues declared", s.queues_declared),
+            ("queues_created_total", "Total number of queues created", s.queues_created),
+            ("queues_deleted_total", "Total number of queues deleted", s.queues_deleted),
         ):
             yield CounterMetricFamily(self._name(name), help_, value=value)
+
+    def _message_sizes(self) -> Metric:
+        """RabbitMQ 4's rabbitmq_message_size_bytes: published body sizes, buckets 64 B to 256 MiB by 4x."""
+        s = self.node.broker.stats
+        counts = s.message_sizes
+        buckets: list[tuple[str, float]] = []
+        seen = 0
+        for i in range(len(counts)):
+            seen += counts[i]
+            if 3 <= i <= 14:  # 4**3 = 64 B ... 4**14 = 256 MiB, as RabbitMQ's buckets
+                buckets.append((str(4**i), seen))
+        buckets.append(("+Inf", seen))
+        h = HistogramMetricFamily("rabbitmq_message_size_bytes", "Size of messages received from publishers",
+                                  labels=["protocol"])
+        h.add_metric([PROTOCOL], buckets, sum_value=s.message_bytes)
+        return h
 
     def _node_coarse(self) -> Iterator[Metric]:
         node = self.node
         yield GaugeMetricFamily(self._name("process_open_fds"), "Open file descriptors", value=resources.open_fds())
         yield GaugeMetricFamily(self._name("process_open_tcp_sockets"), "Open TCP sockets",
                                 value=len(node.amqp.connections))
+        # What the memory alarm counts against rabbitmq_resident_memory_limit_bytes (leveret/node/resources.py),
+        # so the dashboards' "memory available before publishers blocked" (limit minus this) reaches 0 when
+        # the alarm goes off; the process's RSS is leveret_process_resident_memory_bytes.
         yield GaugeMetricFamily(self._name("process_resident_memory_bytes"), "Memory used in bytes",
+                                value=resources.memory_use(node.broker, node.amqp).total)
+        yield GaugeMetricFamily("leveret_process_resident_memory_bytes", "Resident set size of the node's process",
                                 value=resident_memory_bytes())
         try:
             free = shutil.disk_usage(node.config.data_dir).free
