@@ -157,3 +157,75 @@ def test_console_shows_the_last_retention_report(mgmt: Mgmt, tmp_path: Path) -> 
             assert errors == []
         finally:
             browser.close()
+
+
+def test_console_queue_page_follows_the_address(mgmt: Mgmt, tmp_path: Path) -> None:
+    """From one queue's page straight to another's (address bar, back/forward, a hash change): the
+    heading and the forms are the new queue's, so a message published from the page lands there."""
+    leveret_only(mgmt)
+    sync_api = pytest.importorskip("playwright.sync_api", reason="playwright is not installed")
+    tag = uuid.uuid4().hex[:6]
+    first, second = f"first-{tag}", f"second-{tag}"
+    for name in (first, second):
+        mgmt.ok("PUT", f"/api/queues/%2F/{name}", {"durable": False})
+
+    def messages(name: str) -> int:
+        return int(mgmt.get(f"/api/queues/%2F/{name}")["messages"])
+
+    with sync_api.sync_playwright() as p:
+        browser = p.chromium.launch(executable_path=CHROMIUM,
+                                    args=["--no-sandbox", "--disable-gpu", "--disable-background-networking"])
+        try:
+            page = browser.new_page(viewport={"width": 1280, "height": 900})
+            errors: list[str] = []
+            page.on("pageerror", lambda exc: errors.append(str(exc)))
+            page.goto(mgmt.base + "/")
+            page.fill("input[name=username]", "guest")
+            page.fill("input[name=password]", "guest")
+            page.click("#login button")
+            page.wait_for_selector("#totals")
+
+            def publish_here(payload: str) -> None:
+                page.fill("#payload", payload)
+                page.click("#publish-button")
+                page.wait_for_selector("#status:has-text('Message published')")
+
+            page.click("a[href='#/queues']")
+            page.locator("#queues tr", has_text=first).locator("a.queue-link").click()
+            page.wait_for_selector(f"#queue-heading:has-text('Queue {first}')")
+            publish_here("to the first")
+            assert (messages(first), messages(second)) == (1, 0)
+
+            # The address bar: straight to the second queue's page (a hash change in the same document).
+            page.goto(mgmt.base + f"/#/queue/%2F/{second}")
+            page.wait_for_selector(f"#queue-heading:has-text('Queue {second}')")
+            page.wait_for_timeout(300)  # a refresh of the first page still in flight must not come back
+            assert page.inner_text("#queue-heading") == f"Queue {second} (vhost /)"
+            publish_here("to the second")
+            assert (messages(first), messages(second)) == (1, 1)
+            shot = tmp_path / "console-second-queue.png"
+            page.screenshot(path=str(shot), full_page=True)
+
+            # Back to the first queue, then forward to the second again.
+            page.go_back()
+            page.wait_for_selector(f"#queue-heading:has-text('Queue {first}')")
+            publish_here("back on the first")
+            assert (messages(first), messages(second)) == (2, 1)
+            page.go_forward()
+            page.wait_for_selector(f"#queue-heading:has-text('Queue {second}')")
+            publish_here("forward on the second")
+            assert (messages(first), messages(second)) == (2, 2)
+
+            # A script's hash change while the 5 s refresh runs: still the page the address names.
+            page.evaluate(f"location.hash = '#/queue/%2F/{first}'")
+            page.wait_for_selector(f"#queue-heading:has-text('Queue {first}')")
+            page.wait_for_timeout(5500)  # one automatic refresh of the page
+            assert page.inner_text("#queue-heading") == f"Queue {first} (vhost /)"
+            page.click("#get-button")
+            page.wait_for_selector("#got:has-text('to the first')")
+            print(f"\nconsole screenshot: {shot}")
+            assert errors == []
+        finally:
+            browser.close()
+    for name in (first, second):
+        mgmt.ok("DELETE", f"/api/queues/%2F/{name}")

@@ -2,7 +2,8 @@
 // Everything shown is built with textContent (names come from clients: never innerHTML).
 "use strict";
 
-const state = { auth: sessionStorage.getItem("leveret-auth"), timer: null, chart: [], sort: {} };
+// gen: each route() call's number (an answer for an older one is dropped); shown: the hash the page shows.
+const state = { auth: sessionStorage.getItem("leveret-auth"), timer: null, chart: [], sort: {}, gen: 0, shown: null };
 
 function el(tag, attrs, ...children) {
   const node = document.createElement(tag);
@@ -160,7 +161,7 @@ const views = {
     el("button", { id: "publish-button" }, "Publish"));
     const mine = consumers.filter((c) => c.queue.name === name);
     return { view: [
-      el("h2", {}, `Queue ${name} (vhost ${vhost})`),
+      el("h2", { id: "queue-heading" }, `Queue ${name} (vhost ${vhost})`),
       el("div", { class: "card totals", id: "queue-totals" },
         [["Messages", q.messages, "q-messages"], ["Ready", q.messages_ready], ["Unacked", q.messages_unacknowledged],
          ["Consumers", q.consumers], ["Publish/s", rate(q.message_stats, "publish")],
@@ -284,23 +285,33 @@ async function act(fn, done) {
   await route(true);
 }
 
-async function route(keepStatus) {
+// refresh: the same page again (the 5 s timer, after an action); a navigation passes nothing.
+async function route(refresh) {
   clearTimeout(state.timer);
-  const parts = location.hash.replace(/^#\/?/, "").split("/").map(decodeURIComponent);
+  const gen = ++state.gen;
+  const key = location.hash;
+  const parts = key.replace(/^#\/?/, "").split("/").map(decodeURIComponent);
   const name = views[parts[0]] ? parts[0] : "overview";
   document.querySelectorAll("#nav a").forEach((a) => a.classList.toggle("active", a.hash === "#/" + name));
-  const status = keepStatus ? document.getElementById("status") : null;
+  const status = refresh ? document.getElementById("status") : null;
   try {
     const { view, after, keep } = await views[name](...parts.slice(1));
-    if (keep && document.getElementById("get-form") && document.getElementById("queue-totals")) {
-      // The queue page keeps its forms (a half-typed message) and refreshes its numbers only.
+    // Another route() started meanwhile (the user went elsewhere): this answer is for a page no longer wanted.
+    if (gen !== state.gen) return;
+    if (keep && refresh && state.shown === key && document.getElementById("get-form") &&
+        document.getElementById("queue-totals")) {
+      // The same queue's page, refreshed: it keeps its forms (a half-typed message) and swaps its numbers only.
+      // Another queue's page (address bar, back/forward, a link) is always drawn anew, heading and forms.
       const fresh = view.find((v) => v.id === "queue-totals");
       document.getElementById("queue-totals").replaceWith(fresh);
     } else {
       main().replaceChildren(...(status ? [status] : []), ...view);
+      state.shown = key;
     }
     if (after) after();
   } catch (err) {
+    if (gen !== state.gen) return;
+    state.shown = null;
     if (err.message !== "401") main().replaceChildren(el("p", { class: "error" }, "Error: " + err.message));
   }
   state.timer = setTimeout(() => route(true), 5000);
