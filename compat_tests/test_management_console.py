@@ -229,3 +229,38 @@ def test_console_queue_page_follows_the_address(mgmt: Mgmt, tmp_path: Path) -> N
             browser.close()
     for name in (first, second):
         mgmt.ok("DELETE", f"/api/queues/%2F/{name}")
+
+
+def test_console_charts_come_from_server_samples(mgmt: Mgmt, tmp_path: Path) -> None:
+    """The overview's charts (queued messages, rates, memory against the alarm, disk, fds) are drawn
+    from the node's samples, so a reload shows the last minutes at once, with a time axis."""
+    leveret_only(mgmt)
+    sync_api = pytest.importorskip("playwright.sync_api", reason="playwright is not installed")
+    history = mgmt.get("/api/leveret/samples")
+    assert history["interval"] == 5.0 and history["samples"]
+    last = history["samples"][-1]
+    assert {"timestamp", "messages", "publish_rate", "mem_used", "mem_limit", "disk_free", "fd_used"} <= last.keys()
+    assert 0 < last["mem_used"] < last["mem_limit"]
+    with sync_api.sync_playwright() as p:
+        browser = p.chromium.launch(executable_path=CHROMIUM,
+                                    args=["--no-sandbox", "--disable-gpu", "--disable-background-networking"])
+        try:
+            page = browser.new_page(viewport={"width": 1280, "height": 1000})
+            errors: list[str] = []
+            page.on("pageerror", lambda exc: errors.append(str(exc)))
+            page.goto(mgmt.base + "/")
+            page.fill("input[name=username]", "guest")
+            page.fill("input[name=password]", "guest")
+            page.click("#login button")
+            for chart in ("queued-chart", "rates-chart", "memory-chart", "disk-chart", "fds-chart"):
+                page.wait_for_selector(f"#{chart}")
+            page.reload()  # the tab keeps its login; the samples come from the node, not from the page
+            page.wait_for_selector("#memory-chart")
+            points = int(page.get_attribute("#memory-chart", "data-points") or 0)
+            assert points >= len(history["samples"]) >= 1
+            shot = tmp_path / "console-overview-charts.png"
+            page.screenshot(path=str(shot), full_page=True)
+            print(f"\nconsole screenshot: {shot}")
+            assert errors == []
+        finally:
+            browser.close()

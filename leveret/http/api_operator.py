@@ -26,8 +26,9 @@ from leveret.http.responses import json_response
 from leveret.node import resources
 
 if TYPE_CHECKING:
+    from leveret.http.context import NodeView
     from leveret.http.routing import Router
-    from leveret.http.server import Call
+    from leveret.http.server import Call, ManagementAPI
 
 # Where a user downloads rabbitmqadmin from (RabbitMQ serves it from the management plugin).
 log = logging.getLogger("leveret.http")
@@ -64,8 +65,9 @@ def register(r: Router) -> None:
     r.add("leveret/log-tail", GET=(log_tail, "administrator"))
 
 
-def register_app(app: web.Application) -> None:
+def register_app(app: web.Application, api: ManagementAPI) -> None:
     install_log_tail()
+    api.rates.gauges = lambda: node_gauges(api.node)
     app.router.add_get("/cli/rabbitmqadmin", rabbitmqadmin)
     app.router.add_get("/cli/", rabbitmqadmin)
 
@@ -205,6 +207,24 @@ async def protocol_listener(call: Call) -> Any:
                           "protocols": sorted(listening),
                           "listeners": [{"protocol": p, "port": port} for p, port in sorted(listening.items())]},
                          status=503)
+
+
+def node_gauges(node: NodeView) -> dict[str, float]:
+    """What the console charts for the node, each sample: the memory alarm's measure and limit, disk, fds."""
+    watermark = getattr(node, "watermark_bytes", None)
+    disk_limit = getattr(node, "disk_free_limit_bytes", None)
+    try:
+        disk_free = resources.disk_free(node.config.data_dir)
+    except OSError:
+        disk_free = 0
+    try:
+        fd_total = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
+    except (OSError, ValueError):
+        fd_total = 0
+    return {"mem_used": resources.memory_use(node.broker, node.amqp).total,
+            "mem_limit": watermark() if callable(watermark) else 0, "mem_rss": resources.rss_bytes(),
+            "disk_free": disk_free, "disk_free_limit": disk_limit() if callable(disk_limit) else 0,
+            "fd_used": resources.open_fds(), "fd_total": fd_total, "sockets_used": len(node.amqp.connections)}
 
 
 async def samples(call: Call) -> dict[str, Any]:

@@ -17,6 +17,7 @@ from __future__ import annotations
 import asyncio
 import time
 from collections import deque
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from core.engine.broker import Broker
@@ -68,6 +69,8 @@ class RateSampler:
         self._task: asyncio.Task[None] | None = None
         # (unix time, {field: value}) of the node's totals, oldest first: the console's charts.
         self.history: deque[tuple[float, dict[str, float]]] = deque(maxlen=HISTORY)
+        # The node's gauges each sample adds to the history (memory against the alarm, disk, fds, sockets).
+        self.gauges: Callable[[], dict[str, float]] | None = None
 
     def start(self) -> None:
         self.sample()
@@ -112,6 +115,8 @@ class RateSampler:
         point: dict[str, float] = dict(zip(DEPTH_FIELDS, self._last[1][("totals",)], strict=True))
         for field, rate in zip(NODE_FIELDS, self.rates(("n",), len(NODE_FIELDS)), strict=True):
             point[field + "_rate"] = rate
+        if self.gauges is not None:
+            point.update(self.gauges())
         self.history.append((time.time(), point))
 
     def rates(self, key: Key, width: int) -> tuple[float, ...]:

@@ -122,7 +122,7 @@ class ManagementAPI:
             module.register(self.router)
         self.app = web.Application(client_max_size=MAX_BODY)
         console.register(self.app)
-        api_operator.register_app(self.app)  # /cli/rabbitmqadmin
+        api_operator.register_app(self.app, self)  # /cli/rabbitmqadmin, the console's samples
         self.app.router.add_route("*", "/api/{tail:.*}", self._dispatch)
         self._runner: web.AppRunner | None = None
         self._site: web.TCPSite | None = None

@@ -3,7 +3,7 @@
 "use strict";
 
 // gen: each route() call's number (an answer for an older one is dropped); shown: the hash the page shows.
-const state = { auth: sessionStorage.getItem("leveret-auth"), timer: null, chart: [], sort: {}, gen: 0, shown: null };
+const state = { auth: sessionStorage.getItem("leveret-auth"), timer: null, sort: {}, gen: 0, shown: null };
 
 function el(tag, attrs, ...children) {
   const node = document.createElement(tag);
@@ -62,32 +62,60 @@ function table(id, columns, rows, key) {
   return el("table", { id }, el("thead", {}, head), el("tbody", {}, body));
 }
 
-function drawChart(canvas) {
+// A line chart of server-side samples (/api/leveret/samples: every 5 s, the last 10 minutes), with a
+// time axis, so the history survives a reload and every tab shows the same.
+function drawChart(canvas, samples, series, unit) {
   const ctx = canvas.getContext("2d");
-  const w = (canvas.width = canvas.clientWidth), h = (canvas.height = canvas.clientHeight);
-  const pts = state.chart;
-  const max = Math.max(1, ...pts.map((p) => Math.max(p.publish, p.deliver)));
+  const w = (canvas.width = canvas.clientWidth || 600), h = (canvas.height = canvas.clientHeight || 160);
+  const left = 64, bottom = 18, top = 14, right = 8;
+  const max = Math.max(1e-9, ...samples.flatMap((p) => series.map(([k]) => p[k] || 0)));
   ctx.clearRect(0, 0, w, h);
-  ctx.fillStyle = "#555"; ctx.font = "11px sans-serif";
-  ctx.fillText(max.toFixed(1) + " msg/s", 4, 12);
-  [["publish", "#2b6cb0"], ["deliver", "#c05621"]].forEach(([k, color], i) => {
+  ctx.font = "11px sans-serif"; ctx.fillStyle = "#555"; ctx.strokeStyle = "#ccc";
+  const fmt = unit === "bytes" ? bytes : (v) => (Math.round(v * 10) / 10).toLocaleString();
+  ctx.fillText(fmt(max) + (unit && unit !== "bytes" ? " " + unit : ""), 2, top);
+  ctx.fillText("0", 2, h - bottom);
+  ctx.beginPath(); ctx.moveTo(left, top); ctx.lineTo(left, h - bottom); ctx.lineTo(w - right, h - bottom); ctx.stroke();
+  if (!samples.length) { ctx.fillText("no samples yet", left + 8, h / 2); return; }
+  const t0 = samples[0].timestamp, t1 = Math.max(t0 + 1, samples[samples.length - 1].timestamp);
+  const x = (t) => left + ((t - t0) / (t1 - t0)) * (w - left - right);
+  const y = (v) => h - bottom - (v / max) * (h - bottom - top);
+  const clock = (t) => new Date(t).toLocaleTimeString([], { hour: "2-digit", minute: "2-digit", second: "2-digit" });
+  [t0, (t0 + t1) / 2, t1].forEach((t, i) => ctx.fillText(clock(t), Math.min(w - 60, x(t) - (i ? 30 : 0)), h - 4));
+  series.forEach(([k, color, label], i) => {
     ctx.strokeStyle = color; ctx.beginPath();
-    pts.forEach((p, j) => {
-      const x = (j / Math.max(1, pts.length - 1)) * (w - 8) + 4, y = h - 4 - (p[k] / max) * (h - 20);
-      j ? ctx.lineTo(x, y) : ctx.moveTo(x, y);
-    });
-    ctx.stroke(); ctx.fillStyle = color; ctx.fillText(k, w - 120 + i * 60, 12);
+    samples.forEach((p, j) => (j ? ctx.lineTo(x(p.timestamp), y(p[k] || 0)) : ctx.moveTo(x(p.timestamp), y(p[k] || 0))));
+    ctx.stroke(); ctx.fillStyle = color;
+    ctx.fillText(label || k, left + 8 + i * Math.min(110, (w - left - right) / series.length), top);
   });
+}
+
+function chartCard(id, title, samples, series, unit) {
+  const canvas = el("canvas", { id, "data-points": samples.length });
+  return { card: el("div", { class: "card chart" }, el("h3", {}, title), canvas),
+    draw: () => drawChart(canvas, samples, series, unit) };
 }
 
 const views = {
   async overview() {
-    const [o, nodes] = await Promise.all([api("GET", "/overview"), api("GET", "/nodes").catch(() => [])]);
+    const [o, nodes, hist] = await Promise.all([api("GET", "/overview"), api("GET", "/nodes").catch(() => []),
+      api("GET", "/leveret/samples").catch(() => ({ samples: [] }))]);
     const s = o.message_stats || {};
-    state.chart.push({ publish: rate(s, "publish"), deliver: rate(s, "deliver_get") });
-    if (state.chart.length > 120) state.chart.shift();
     const t = o.queue_totals, n = o.object_totals;
-    const canvas = el("canvas", { id: "rates-chart" });
+    const pts = hist.samples;
+    const charts = [
+      chartCard("queued-chart", "Queued messages", pts, [["messages", "#2b6cb0", "total"],
+        ["messages_ready", "#2f855a", "ready"], ["messages_unacknowledged", "#c05621", "unacked"]], "msgs"),
+      chartCard("rates-chart", "Message rates", pts, [["publish_rate", "#2b6cb0", "publish"],
+        ["confirm_rate", "#6b46c1", "confirm"], ["deliver_rate", "#c05621", "deliver"],
+        ["get_rate", "#b7791f", "get"], ["ack_rate", "#2f855a", "ack"], ["redeliver_rate", "#b00020", "redeliver"]],
+      "msg/s"),
+      chartCard("memory-chart", "Memory (the alarm's measure) against the alarm", pts,
+        [["mem_used", "#2b6cb0", "used"], ["mem_limit", "#b00020", "alarm at"], ["mem_rss", "#999", "RSS"]], "bytes"),
+      chartCard("disk-chart", "Disk free against the limit", pts,
+        [["disk_free", "#2f855a", "free"], ["disk_free_limit", "#b00020", "limit"]], "bytes"),
+      chartCard("fds-chart", "File descriptors and sockets", pts,
+        [["fd_used", "#2b6cb0", "fds"], ["sockets_used", "#c05621", "sockets"]], ""),
+    ];
     const view = [
       el("h2", {}, "Overview — ", o.node, " (", o.product_name, " ", o.product_version, ")"),
       el("div", { class: "card totals", id: "totals" },
@@ -95,13 +123,14 @@ const views = {
          ["Messages", t.messages], ["Ready", t.messages_ready], ["Unacked", t.messages_unacknowledged],
          ["Publish/s", rate(s, "publish")], ["Deliver/s", rate(s, "deliver_get")]]
           .map(([k, v]) => el("div", {}, el("b", {}, v), k))),
-      el("div", { class: "card" }, el("h3", {}, "Message rates"), canvas),
+      el("div", { class: "charts" }, charts.map((c) => c.card)),
       el("h3", {}, "Nodes"),
-      table("nodes", [["Name", (x) => x.name], ["Memory used", (x) => x.mem_used, true],
+      table("nodes", [["Name", (x) => x.name], ["Memory held (the alarm's measure)", (x) => bytes(x.mem_used || 0), true],
+        ["Alarm at", (x) => bytes(x.mem_limit || 0), true], ["RSS", (x) => bytes(x.mem_rss || 0), true],
         ["Memory alarm", (x) => String(x.mem_alarm)], ["Uptime (s)", (x) => Math.round(x.uptime / 1000), true]],
       nodes, "nodes"),
     ];
-    return { view, after: () => drawChart(canvas) };
+    return { view, after: () => charts.forEach((c) => c.draw()) };
   },
 
   async queues() {
