@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import time
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
@@ -264,3 +265,128 @@ def test_console_charts_come_from_server_samples(mgmt: Mgmt, tmp_path: Path) -> 
             assert errors == []
         finally:
             browser.close()
+
+
+def test_console_admin_forms_and_paged_queues(mgmt: Mgmt, tmp_path: Path) -> None:
+    """An operator administers the node from the console: users, vhosts, permissions, limits,
+    policies and operator policies, exchanges and bindings with arguments, a queue with a type and
+    arguments, a publish with properties and headers, moving messages; and pages through queues."""
+    leveret_only(mgmt)
+    sync_api = pytest.importorskip("playwright.sync_api", reason="playwright is not installed")
+    tag = uuid.uuid4().hex[:6]
+    user, vhost, x, qq, src, dst = (f"ops-{tag}", f"vh-{tag}", f"x-{tag}", f"qq-{tag}", f"src-{tag}",
+                                    f"dst-{tag}")
+    for i in range(120):  # more than one page of 100
+        mgmt.ok("PUT", f"/api/queues/%2F/page-{tag}-{i:03d}", {"durable": False})
+    with sync_api.sync_playwright() as p:
+        browser = p.chromium.launch(executable_path=CHROMIUM,
+                                    args=["--no-sandbox", "--disable-gpu", "--disable-background-networking"])
+        try:
+            page = browser.new_page(viewport={"width": 1280, "height": 1000})
+            errors: list[str] = []
+            page.on("pageerror", lambda exc: errors.append(str(exc)))
+            page.goto(mgmt.base + "/")
+            page.fill("input[name=username]", "guest")
+            page.fill("input[name=password]", "guest")
+            page.click("#login button")
+            page.wait_for_selector("#totals")
+
+            def submit(form: str, values: dict[str, str], checks: tuple[str, ...] = ()) -> None:
+                for name, value in values.items():
+                    field = page.locator(f"#{form} [name={name}]")
+                    if field.evaluate("e => e.tagName") == "SELECT":
+                        field.select_option(value)
+                    else:
+                        field.fill(value)
+                for name in checks:
+                    page.locator(f"#{form} [name={name}]").check()
+                page.click(f"#{form} button")
+                page.wait_for_selector("#status:has-text(': done')")
+                page.evaluate("document.getElementById('status').textContent = ''")
+
+            page.goto(mgmt.base + "/#/users")
+            submit("add-vhost", {"name": vhost, "description": "from the console"})
+            submit("add-user", {"name": user, "password": "pw-1", "tags": "management,monitoring"})
+            submit("set-permissions", {"vhost": vhost, "user": user, "configure": "^c", "write": "^w", "read": "^r"})
+            submit("set-topic-permissions", {"vhost": vhost, "user": user, "exchange": "amq.topic", "write": "^a"})
+            submit("set-limit", {"vhost": vhost, "name": "max-queues", "value": "7"})
+            assert mgmt.get(f"/api/users/{user}")["tags"] == ["management", "monitoring"]
+            assert mgmt.get(f"/api/permissions/{vhost}/{user}")["configure"] == "^c"
+            assert mgmt.get(f"/api/vhost-limits/{vhost}")[0]["value"] == {"max-queues": 7}
+            assert any(t["exchange"] == "amq.topic" and t["write"] == "^a"
+                       for t in mgmt.get(f"/api/topic-permissions/{vhost}/{user}"))
+            assert mgmt.get(f"/api/vhosts/{vhost}")["description"] == "from the console"
+
+            page.goto(mgmt.base + "/#/policies")
+            submit("add-policy", {"name": f"p-{tag}", "pattern": f"^{qq}", "apply": "queues", "priority": "3",
+                                  "definition": '{"max-length": 10}'})
+            submit("add-policy", {"name": f"op-{tag}", "pattern": f"^{qq}", "apply": "queues",
+                                  "definition": '{"max-length": 20}'}, checks=("operator",))
+            assert mgmt.get(f"/api/policies/%2F/p-{tag}")["priority"] == 3
+            assert mgmt.get(f"/api/operator-policies/%2F/op-{tag}")["definition"] == {"max-length": 20}
+
+            page.goto(mgmt.base + "/#/queues")
+            page.wait_for_selector("#add-queue")
+            submit("add-queue", {"name": qq, "type": "quorum", "arguments": '{"x-delivery-limit": 5}'})
+            submit("add-queue", {"name": src})
+            submit("add-queue", {"name": dst})
+            assert mgmt.get(f"/api/queues/%2F/{qq}")["type"] == "quorum"
+            assert mgmt.get(f"/api/queues/%2F/{qq}")["arguments"]["x-delivery-limit"] == 5
+
+            page.goto(mgmt.base + "/#/exchanges")
+            submit("add-exchange", {"name": x, "type": "headers", "arguments": '{"alternate-exchange": "amq.fanout"}'})
+            submit("add-binding", {"source": x, "destination": src, "arguments": '{"x-match": "all", "k": "v"}'})
+            assert mgmt.get(f"/api/exchanges/%2F/{x}")["arguments"] == {"alternate-exchange": "amq.fanout"}
+            assert [b["arguments"] for b in mgmt.get(f"/api/queues/%2F/{src}/bindings") if b["source"] == x] == [
+                {"x-match": "all", "k": "v"}]
+
+            # Publish with properties and headers from the source queue's page, then move its messages.
+            page.goto(mgmt.base + f"/#/queue/%2F/{src}")
+            page.wait_for_selector(f"#queue-heading:has-text('Queue {src}')")
+            page.fill("#payload", "with headers")
+            page.fill("#pub-properties", '{"content_type": "text/plain", "correlation_id": "c-1"}')
+            page.fill("#pub-headers", '{"origin": "console"}')
+            page.click("#publish-button")
+            page.wait_for_selector("#status:has-text('Message published')")
+            got = mgmt.request("POST", f"/api/queues/%2F/{src}/get",
+                               {"count": 1, "ackmode": "ack_requeue_true", "encoding": "auto"}).body[0]
+            assert got["properties"]["headers"] == {"origin": "console"}
+            assert got["properties"]["correlation_id"] == "c-1"
+            submit("move-form", {"dest": dst})
+            deadline = time.monotonic() + 30
+            while mgmt.get(f"/api/queues/%2F/{dst}")["messages"] != 1:
+                assert time.monotonic() < deadline, "the messages were not moved"
+                time.sleep(0.3)
+            assert mgmt.get(f"/api/queues/%2F/{src}")["messages"] == 0
+
+            # 120 queues of this test: two pages of 100 under a name filter, sorted by the node.
+            page.goto(mgmt.base + "/#/queues")
+            page.fill("#queue-filter [name=name]", f"page-{tag}")
+            page.click("#queue-filter button")
+            page.wait_for_selector("#queue-pager:has-text('page 1 of 2 (120 of')")
+            assert page.locator("#queues tbody tr").count() == 100
+            page.click("#next-page")
+            page.wait_for_selector("#queue-pager:has-text('page 2 of 2')")
+            assert page.locator("#queues tbody tr").count() == 20
+            page.click("#queues th:has-text('Name')")  # sorted by name, then reversed
+            page.wait_for_selector("#queues th:has-text('Name ▼')")
+            assert page.locator("#queues tbody tr a.queue-link").first.inner_text() == f"page-{tag}-119"
+            shot = tmp_path / "console-admin.png"
+            page.goto(mgmt.base + "/#/users")
+            page.wait_for_selector("#add-user")
+            page.screenshot(path=str(shot), full_page=True)
+            print(f"\nconsole screenshot: {shot}")
+
+            submit("delete-user", {"name": user})
+            submit("delete-vhost", {"name": vhost})
+            assert mgmt.request("GET", f"/api/users/{user}").status == 404
+            assert errors == []
+        finally:
+            browser.close()
+    for i in range(120):
+        mgmt.request("DELETE", f"/api/queues/%2F/page-{tag}-{i:03d}")
+    for name in (qq, src, dst):
+        mgmt.request("DELETE", f"/api/queues/%2F/{name}")
+    mgmt.request("DELETE", f"/api/exchanges/%2F/{x}")
+    mgmt.request("DELETE", f"/api/policies/%2F/p-{tag}")
+    mgmt.request("DELETE", f"/api/operator-policies/%2F/op-{tag}")

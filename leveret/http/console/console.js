@@ -3,7 +3,8 @@
 "use strict";
 
 // gen: each route() call's number (an answer for an older one is dropped); shown: the hash the page shows.
-const state = { auth: sessionStorage.getItem("leveret-auth"), timer: null, sort: {}, gen: 0, shown: null };
+const state = { auth: sessionStorage.getItem("leveret-auth"), timer: null, sort: {}, gen: 0, shown: null,
+  queues: { page: 1, name: "", sort: "name", rev: false } };
 
 function el(tag, attrs, ...children) {
   const node = document.createElement(tag);
@@ -95,6 +96,34 @@ function chartCard(id, title, samples, series, unit) {
     draw: () => drawChart(canvas, samples, series, unit) };
 }
 
+// An admin form: fields are [name, label, kind, default] with kind text, password, number, checkbox,
+// json (a JSON object, {} when empty) or an array of options (a select). submit gets the values.
+function adminForm(id, title, fields, button, submit) {
+  const inputs = fields.map(([name, label, kind, value]) => {
+    let input;
+    if (Array.isArray(kind)) input = el("select", { name }, kind.map((o) => el("option", { value: o }, o)));
+    else if (kind === "checkbox") input = el("input", { name, type: "checkbox", ...(value ? { checked: "" } : {}) });
+    else if (kind === "json") input = el("input", { name, value: value ?? "", placeholder: "{}", size: "24" });
+    else input = el("input", { name, type: kind || "text", value: value ?? "" });
+    return el("label", {}, label + " ", input);
+  });
+  return el("form", { class: "card inline admin", id, onsubmit: async (e) => {
+    e.preventDefault();
+    const values = {};
+    for (const [name, label, kind] of fields) {
+      const input = e.target.elements[name];
+      if (kind === "checkbox") values[name] = input.checked;
+      else if (kind === "number") values[name] = Number(input.value);
+      else if (kind === "json") {
+        try { values[name] = input.value.trim() ? JSON.parse(input.value) : {}; } catch (err) {
+          return act(() => Promise.reject(new Error(`${label}: not JSON (${err.message})`)));
+        }
+      } else values[name] = input.value;
+    }
+    await act(() => submit(values), `${button}: done`);
+  } }, el("h3", {}, title), inputs, el("button", {}, button));
+}
+
 const views = {
   async overview() {
     const [o, nodes, hist] = await Promise.all([api("GET", "/overview"), api("GET", "/nodes").catch(() => []),
@@ -123,7 +152,7 @@ const views = {
          ["Messages", t.messages], ["Ready", t.messages_ready], ["Unacked", t.messages_unacknowledged],
          ["Publish/s", rate(s, "publish")], ["Deliver/s", rate(s, "deliver_get")]]
           .map(([k, v]) => el("div", {}, el("b", {}, v), k))),
-      el("div", { class: "charts" }, charts.map((c) => c.card)),
+      el("div", { class: "charts", id: "charts" }, charts.map((c) => c.card)),
       el("h3", {}, "Nodes"),
       table("nodes", [["Name", (x) => x.name], ["Memory held (the alarm's measure)", (x) => bytes(x.mem_used || 0), true],
         ["Alarm at", (x) => bytes(x.mem_limit || 0), true], ["RSS", (x) => bytes(x.mem_rss || 0), true],
@@ -134,27 +163,40 @@ const views = {
   },
 
   async queues() {
-    // Only the columns shown: with thousands of queues the full objects are most of the cost.
-    const queues = await api("GET", "/queues?columns=vhost,name,type,messages,messages_ready," +
-      "messages_unacknowledged,consumers,message_stats.publish_details,message_stats.deliver_get_details");
-    const form = el("form", { class: "card inline", id: "add-queue", onsubmit: async (e) => {
-      e.preventDefault();
-      const f = new FormData(e.target);
-      await act(() => api("PUT", `/queues/${enc(f.get("vhost"))}/${enc(f.get("name"))}`,
-        { durable: f.get("durable") === "on", auto_delete: false, arguments: {} }), "Queue declared");
-    } },
-    el("label", {}, "Vhost ", el("input", { name: "vhost", value: "/" })),
-    el("label", {}, "Name ", el("input", { name: "name", required: "" })),
-    el("label", {}, "Durable ", el("input", { name: "durable", type: "checkbox", checked: "" })),
-    el("button", {}, "Add queue"));
-    return { view: [el("h2", {}, `Queues (${queues.length})`), table("queues", [
-      ["Vhost", (q) => q.vhost], ["Name", (q) => q.name, false,
-        (q) => el("a", { href: `#/queue/${enc(q.vhost)}/${enc(q.name)}`, class: "queue-link" }, q.name)],
-      ["Type", (q) => q.type], ["Messages", (q) => q.messages, true], ["Ready", (q) => q.messages_ready, true],
-      ["Unacked", (q) => q.messages_unacknowledged, true], ["Consumers", (q) => q.consumers, true],
-      ["Publish/s", (q) => rate(q.message_stats, "publish"), true],
-      ["Deliver/s", (q) => rate(q.message_stats, "deliver_get"), true],
-    ], queues, "queues"), form] };
+    // Paged, sorted and filtered by the node (10,000 queues are never all sent): RabbitMQ's list parameters.
+    const q = state.queues;
+    const params = new URLSearchParams({ page: String(q.page), page_size: "100", name: q.name, use_regex: "false",
+      sort: q.sort, sort_reverse: String(q.rev), columns: "vhost,name,type,messages,messages_ready," +
+      "messages_unacknowledged,consumers,message_stats.publish_details,message_stats.deliver_get_details" });
+    const res = await api("GET", "/queues?" + params);
+    if (q.page > 1 && q.page > res.page_count) { q.page = Math.max(1, res.page_count); return views.queues(); }
+    const cols = [["Vhost", "vhost"], ["Name", "name"], ["Type", "type"], ["Messages", "messages", true],
+      ["Ready", "messages_ready", true], ["Unacked", "messages_unacknowledged", true], ["Consumers", "consumers", true],
+      ["Publish/s", "message_stats.publish_details.rate", true], ["Deliver/s", "message_stats.deliver_get_details.rate",
+        true]];
+    const get = (row, path) => path.split(".").reduce((o, k) => (o || {})[k], row) ?? 0;
+    const head = el("tr", {}, cols.map(([label, field, num]) => el("th", { class: num ? "num" : "", onclick: () => {
+      q.rev = q.sort === field ? !q.rev : false; q.sort = field; q.page = 1; route();
+    } }, label + (q.sort === field ? (q.rev ? " ▼" : " ▲") : ""))));
+    const body = res.items.map((row) => el("tr", {}, cols.map(([, field, num]) => el("td", { class: num ? "num" : "" },
+      field === "name" ? el("a", { href: `#/queue/${enc(row.vhost)}/${enc(row.name)}`, class: "queue-link" }, row.name)
+        : String(get(row, field))))));
+    const filter = el("form", { class: "inline", id: "queue-filter", onsubmit: (e) => {
+      e.preventDefault(); q.name = new FormData(e.target).get("name"); q.page = 1; route();
+    } }, el("label", {}, "Name contains ", el("input", { name: "name", value: q.name })), el("button", {}, "Filter"));
+    const pager = el("p", { id: "queue-pager" },
+      el("button", { id: "prev-page", ...(res.page <= 1 ? { disabled: "" } : {}), onclick: () => { q.page -= 1; route(); } },
+        "‹ Previous"),
+      ` page ${res.page} of ${Math.max(1, res.page_count)} (${res.filtered_count} of ${res.total_count} queues) `,
+      el("button", { id: "next-page", ...(res.page >= res.page_count ? { disabled: "" } : {}),
+        onclick: () => { q.page += 1; route(); } }, "Next ›"));
+    const add = adminForm("add-queue", "Add a queue", [["vhost", "Vhost", "text", "/"], ["name", "Name"],
+      ["type", "Type", ["classic", "quorum", "stream"]], ["durable", "Durable", "checkbox", true],
+      ["auto_delete", "Auto-delete", "checkbox"], ["arguments", "Arguments", "json"]], "Add queue",
+    (v) => api("PUT", `/queues/${enc(v.vhost)}/${enc(v.name)}`, { durable: v.durable, auto_delete: v.auto_delete,
+      arguments: { ...v.arguments, "x-queue-type": v.type } }));
+    return { view: [el("h2", { id: "queues-heading" }, `Queues (${res.filtered_count})`), filter, pager,
+      el("table", { id: "queues" }, el("thead", {}, head), el("tbody", {}, body)), add] };
   },
 
   async queue(vhost, name) {
@@ -180,14 +222,30 @@ const views = {
     const pubForm = el("form", { class: "card inline", id: "publish-form", onsubmit: async (e) => {
       e.preventDefault();
       const f = new FormData(e.target);
+      let properties, headers;
+      try {
+        properties = f.get("properties").trim() ? JSON.parse(f.get("properties")) : {};
+        headers = f.get("headers").trim() ? JSON.parse(f.get("headers")) : {};
+      } catch (err) { return act(() => Promise.reject(new Error("properties and headers must be JSON objects"))); }
       await act(() => api("POST", `/exchanges/${enc(vhost)}/amq.default/publish`, { routing_key: name,
         payload: f.get("payload"), payload_encoding: "string",
-        properties: { delivery_mode: f.get("persistent") === "on" ? 2 : 1 } }), "Message published");
+        properties: { ...properties, delivery_mode: f.get("persistent") === "on" ? 2 : 1,
+          ...(Object.keys(headers).length ? { headers } : {}) } }), "Message published");
     } },
     el("h3", {}, "Publish a message"),
     el("label", {}, "Payload ", el("input", { name: "payload", id: "payload" })),
     el("label", {}, "Persistent ", el("input", { name: "persistent", type: "checkbox" })),
+    el("label", {}, "Properties ", el("input", { name: "properties", id: "pub-properties",
+      placeholder: '{"content_type": "text/plain"}', size: "28" })),
+    el("label", {}, "Headers ", el("input", { name: "headers", id: "pub-headers", placeholder: '{"k": "v"}',
+      size: "20" })),
     el("button", { id: "publish-button" }, "Publish"));
+    // RabbitMQ's "move messages": a dynamic shovel from this queue that deletes itself once it has
+    // moved what the queue held when it started.
+    const moveForm = adminForm("move-form", "Move messages", [["dest", "To queue"]], "Move messages",
+      (v) => api("PUT", `/parameters/shovel/${enc(vhost)}/${enc("Move from " + name)}`, { value: {
+        "src-uri": "amqp:///" + enc(vhost), "src-queue": name, "dest-uri": "amqp:///" + enc(vhost),
+        "dest-queue": v.dest, "src-delete-after": "queue-length" } }));
     const mine = consumers.filter((c) => c.queue.name === name);
     return { view: [
       el("h2", { id: "queue-heading" }, `Queue ${name} (vhost ${vhost})`),
@@ -212,15 +270,32 @@ const views = {
       table("consumers", [["Tag", (c) => c.consumer_tag], ["Channel", (c) => c.channel_details.name],
         ["Ack required", (c) => String(c.ack_required)], ["Prefetch", (c) => c.prefetch_count, true]],
       mine, "qconsumers"),
-      getForm, pubForm,
-    ], keep: true };
+      getForm, pubForm, moveForm,
+    ] };
   },
 
   async exchanges() {
-    const xs = await api("GET", "/exchanges");
+    const [xs, bs] = await Promise.all([api("GET", "/exchanges"), api("GET", "/bindings")]);
     return { view: [el("h2", {}, "Exchanges"), table("exchanges", [["Vhost", (x) => x.vhost],
       ["Name", (x) => x.name || "(default)"], ["Type", (x) => x.type], ["Durable", (x) => String(x.durable)],
-      ["Publish in/s", (x) => rate(x.message_stats, "publish_in"), true]], xs, "exchanges")] };
+      ["Arguments", (x) => JSON.stringify(x.arguments || {})],
+      ["Publish in/s", (x) => rate(x.message_stats, "publish_in"), true]], xs, "exchanges"),
+    el("h3", {}, "Bindings"), table("all-bindings", [["Vhost", (b) => b.vhost], ["Source", (b) => b.source || "(default)"],
+      ["Destination", (b) => `${b.destination_type} ${b.destination}`], ["Routing key", (b) => b.routing_key],
+      ["Arguments", (b) => JSON.stringify(b.arguments)]], bs.filter((b) => b.source), "all-bindings"),
+    adminForm("add-exchange", "Add an exchange", [["vhost", "Vhost", "text", "/"], ["name", "Name"],
+      ["type", "Type", ["direct", "fanout", "topic", "headers", "x-consistent-hash"]],
+      ["durable", "Durable", "checkbox", true], ["auto_delete", "Auto-delete", "checkbox"],
+      ["internal", "Internal", "checkbox"], ["arguments", "Arguments", "json"]], "Add exchange",
+    (v) => api("PUT", `/exchanges/${enc(v.vhost)}/${enc(v.name)}`, { type: v.type, durable: v.durable,
+      auto_delete: v.auto_delete, internal: v.internal, arguments: v.arguments })),
+    adminForm("delete-exchange", "Delete an exchange", [["vhost", "Vhost", "text", "/"], ["name", "Name"]],
+      "Delete exchange", (v) => api("DELETE", `/exchanges/${enc(v.vhost)}/${enc(v.name)}`)),
+    adminForm("add-binding", "Add a binding", [["vhost", "Vhost", "text", "/"], ["source", "From exchange"],
+      ["kind", "To", ["queue", "exchange"]], ["destination", "Destination"], ["routing_key", "Routing key"],
+      ["arguments", "Arguments", "json"]], "Bind",
+    (v) => api("POST", `/bindings/${enc(v.vhost)}/e/${enc(v.source)}/${v.kind === "queue" ? "q" : "e"}/` +
+      enc(v.destination), { routing_key: v.routing_key, arguments: v.arguments }))] };
   },
 
   async connections() {
@@ -249,7 +324,27 @@ const views = {
     return { view: [el("h2", {}, "Users"), table("users", [["Name", (u) => u.name], ["Tags", (u) => u.tags.join(", ")]],
       users, "users"), el("h3", {}, "Permissions"), table("permissions", [["User", (p) => p.user],
       ["Vhost", (p) => p.vhost], ["Configure", (p) => p.configure], ["Write", (p) => p.write],
-      ["Read", (p) => p.read]], perms, "permissions")] };
+      ["Read", (p) => p.read]], perms, "permissions"),
+    adminForm("add-user", "Add or update a user", [["name", "Name"], ["password", "Password", "password"],
+      ["tags", "Tags", "text", "management"]], "Save user",
+    (v) => api("PUT", `/users/${enc(v.name)}`, { password: v.password, tags: v.tags })),
+    adminForm("delete-user", "Delete a user", [["name", "Name"]], "Delete user",
+      (v) => api("DELETE", `/users/${enc(v.name)}`)),
+    adminForm("add-vhost", "Add a vhost", [["name", "Name"], ["description", "Description"]], "Add vhost",
+      (v) => api("PUT", `/vhosts/${enc(v.name)}`, { description: v.description })),
+    adminForm("delete-vhost", "Delete a vhost", [["name", "Name"]], "Delete vhost",
+      (v) => api("DELETE", `/vhosts/${enc(v.name)}`)),
+    adminForm("set-permissions", "Set permissions", [["vhost", "Vhost", "text", "/"], ["user", "User"],
+      ["configure", "Configure", "text", ".*"], ["write", "Write", "text", ".*"], ["read", "Read", "text", ".*"]],
+    "Set permissions", (v) => api("PUT", `/permissions/${enc(v.vhost)}/${enc(v.user)}`,
+      { configure: v.configure, write: v.write, read: v.read })),
+    adminForm("set-topic-permissions", "Set topic permissions", [["vhost", "Vhost", "text", "/"], ["user", "User"],
+      ["exchange", "Exchange", "text", "amq.topic"], ["write", "Write", "text", ".*"], ["read", "Read", "text", ".*"]],
+    "Set topic permissions", (v) => api("PUT", `/topic-permissions/${enc(v.vhost)}/${enc(v.user)}`,
+      { exchange: v.exchange, write: v.write, read: v.read })),
+    adminForm("set-limit", "Set a vhost limit", [["vhost", "Vhost", "text", "/"],
+      ["name", "Limit", ["max-connections", "max-queues"]], ["value", "Value", "number", "100"]], "Set limit",
+    (v) => api("PUT", `/vhost-limits/${enc(v.vhost)}/${enc(v.name)}`, { value: v.value }))] };
   },
 
   async retention() {
@@ -283,10 +378,22 @@ const views = {
   },
 
   async policies() {
-    const ps = await api("GET", "/policies");
-    return { view: [el("h2", {}, "Policies"), table("policies", [["Vhost", (p) => p.vhost], ["Name", (p) => p.name],
+    const [ps, ops] = await Promise.all([api("GET", "/policies"), api("GET", "/operator-policies").catch(() => [])]);
+    const cols = [["Vhost", (p) => p.vhost], ["Name", (p) => p.name],
       ["Pattern", (p) => p.pattern], ["Apply to", (p) => p["apply-to"]],
-      ["Definition", (p) => JSON.stringify(p.definition)], ["Priority", (p) => p.priority, true]], ps, "policies")] };
+      ["Definition", (p) => JSON.stringify(p.definition)], ["Priority", (p) => p.priority, true]];
+    const kind = (v) => (v.operator ? "operator-policies" : "policies");
+    return { view: [el("h2", {}, "Policies"), table("policies", cols, ps, "policies"),
+      el("h3", {}, "Operator policies"), table("operator-policies", cols, ops, "operator-policies"),
+      adminForm("add-policy", "Add or update a policy", [["vhost", "Vhost", "text", "/"], ["name", "Name"],
+        ["pattern", "Pattern", "text", ".*"], ["apply", "Apply to", ["all", "queues", "exchanges"]],
+        ["priority", "Priority", "number", "0"], ["definition", "Definition", "json"],
+        ["operator", "Operator policy", "checkbox"]], "Save policy",
+      (v) => api("PUT", `/${kind(v)}/${enc(v.vhost)}/${enc(v.name)}`, { pattern: v.pattern, "apply-to": v.apply,
+        priority: v.priority, definition: v.definition })),
+      adminForm("delete-policy", "Delete a policy", [["vhost", "Vhost", "text", "/"], ["name", "Name"],
+        ["operator", "Operator policy", "checkbox"]], "Delete policy",
+      (v) => api("DELETE", `/${kind(v)}/${enc(v.vhost)}/${enc(v.name)}`))] };
   },
 
   async shovels() {
@@ -324,15 +431,15 @@ async function route(refresh) {
   document.querySelectorAll("#nav a").forEach((a) => a.classList.toggle("active", a.hash === "#/" + name));
   const status = refresh ? document.getElementById("status") : null;
   try {
-    const { view, after, keep } = await views[name](...parts.slice(1));
+    const { view, after } = await views[name](...parts.slice(1));
     // Another route() started meanwhile (the user went elsewhere): this answer is for a page no longer wanted.
     if (gen !== state.gen) return;
-    if (keep && refresh && state.shown === key && document.getElementById("get-form") &&
-        document.getElementById("queue-totals")) {
-      // The same queue's page, refreshed: it keeps its forms (a half-typed message) and swaps its numbers only.
-      // Another queue's page (address bar, back/forward, a link) is always drawn anew, heading and forms.
-      const fresh = view.find((v) => v.id === "queue-totals");
-      document.getElementById("queue-totals").replaceWith(fresh);
+    const swaps = refresh && state.shown === key
+      ? view.filter((v) => v.id && v.tagName !== "FORM" && document.getElementById(v.id)) : [];
+    if (swaps.length) {
+      // The same page, refreshed: its forms stay as they are (a half-typed message, the focus) and its
+      // numbers and tables are swapped. Another page (address bar, back/forward, a link) is drawn anew.
+      swaps.forEach((v) => document.getElementById(v.id).replaceWith(v));
     } else {
       main().replaceChildren(...(status ? [status] : []), ...view);
       state.shown = key;
