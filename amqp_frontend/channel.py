@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import base64
 import os
+from bisect import bisect_left
 from collections import OrderedDict, deque
 from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING, Any, TypeVar
@@ -19,7 +20,7 @@ from pamqp.base import Frame as Method
 from amqp_frontend import codec, stream_consumer
 from core.engine import access, direct_reply, limits, publish
 from core.engine.exchange import Exchange
-from core.engine.node_stats import NodeStats
+from core.engine.node_stats import SIZE_BUCKETS, NodeStats
 from core.engine.queue import Consumer, Queue, QueueChannel
 from core.engine.stream import StreamQueue
 from core.engine.vhost import server_generated_name
@@ -290,7 +291,7 @@ class Channel:
         self.stats.received += 1
         self.own.received += 1
         size = len(message.body)
-        self.stats.message_sizes[((size - 1).bit_length() + 1) >> 1] += 1  # ceil(log4(size)): the histogram
+        self.stats.message_sizes[bisect_left(SIZE_BUCKETS, size)] += 1  # the size histogram's bucket
         self.stats.message_bytes += size
         tx_join = self._tx_join
         outcome = publish.publish(self.conn.broker, vhost, exchange, message, self.confirm or tx_join is not None)

@@ -129,8 +129,8 @@ def test_metrics_after_amqp_traffic(node: MetricsNode) -> None:
         assert value(found, "rabbitmq_queues_declared_total") == 1
         assert value(found, "rabbitmq_queues_created_total") == 1
         assert value(found, "rabbitmq_queues_deleted_total") == 0
-        # 7 bodies of 2-5 bytes, all in the first bucket (64 B); one body of 1000 B below.
-        assert value(found, "rabbitmq_message_size_bytes_bucket", le="64", **amqp) == 7
+        # 7 bodies of 2-5 bytes, all in the first bucket (100 B); one body of 1000 B below.
+        assert value(found, "rabbitmq_message_size_bytes_bucket", le="100", **amqp) == 7
         assert value(found, "rabbitmq_message_size_bytes_count", **amqp) == 7
         # basic.get redeliveries are counted (RabbitMQ 3.10.8 counts 2 for get, nack-requeue, get)
         ch2 = conn.channel()
@@ -143,8 +143,9 @@ def test_metrics_after_amqp_traffic(node: MetricsNode) -> None:
         again = samples(node.scrape())
         assert value(again, "rabbitmq_global_messages_redelivered_total", **classic) == 1
         assert value(again, "rabbitmq_global_publishers", **amqp) == 1
-        assert value(again, "rabbitmq_message_size_bytes_bucket", le="1024", **amqp) == 8
-        assert value(again, "rabbitmq_message_size_bytes_bucket", le="64", **amqp) == 7
+        assert value(again, "rabbitmq_message_size_bytes_bucket", le="1000", **amqp) == 8
+        assert value(again, "rabbitmq_message_size_bytes_bucket", le="100", **amqp) == 7
+        assert value(again, "rabbitmq_message_size_bytes_bucket", le="+Inf", **amqp) == 8
         assert value(again, "rabbitmq_message_size_bytes_sum", **amqp) > 1000
         assert value(found, "leveret_group_commit_batch_size_count") >= 1
         # Aggregated: no per-queue label on /metrics.
@@ -230,11 +231,13 @@ PROMETHEUS = "/usr/bin/prometheus"
 PANELS = Path(__file__).with_name("data") / "rabbitmq_overview_panels.json"
 
 
-def evaluate_panels(prometheus_port: int, cluster: str) -> dict[str, list[Any]]:
-    """Each RabbitMQ-Overview panel's PromQL, as Grafana sends it, evaluated now: title -> result."""
+def evaluate_panels(prometheus_port: int, cluster: str, which: str = "panels") -> dict[str, list[Any]]:
+    """Each RabbitMQ-Overview panel's PromQL, as Grafana sends it, evaluated now: title -> result.
+    ``which``: "panels" (the 3.x dashboard) or "panels_4x" (the 4.1+ one's panels that differ)."""
     out: dict[str, list[Any]] = {}
-    for panel in json.loads(PANELS.read_text())["panels"]:
-        expr = panel["expr"].replace("$rabbitmq_cluster", cluster).replace("$namespace", "")
+    for panel in json.loads(PANELS.read_text())[which]:
+        expr = (panel["expr"].replace("$rabbitmq_cluster", cluster).replace("$namespace", "")
+                .replace("$endpoint", "aggregated").replace("$__range", "60s"))
         url = f"http://127.0.0.1:{prometheus_port}/api/v1/query?" + urllib.parse.urlencode({"query": expr})
         with urllib.request.urlopen(url, timeout=10) as resp:
             answer = json.loads(resp.read())
@@ -283,7 +286,9 @@ def test_every_overview_dashboard_panel_has_data(node: MetricsNode, tmp_path: Pa
                                if name == "rabbitmq_identity_info")
                 continue
             results = evaluate_panels(port, cluster)
+            newer = evaluate_panels(port, cluster, "panels_4x")
             empty = [title for title, result in results.items() if not result]
+            empty += [f"4.x {title}" for title, result in newer.items() if not result]
             if not empty:
                 break
         assert cluster, "Prometheus never answered"

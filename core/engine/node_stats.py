@@ -9,6 +9,9 @@ turns them into RabbitMQ's ``rabbitmq_global_*_total`` series.
 
 from __future__ import annotations
 
+# RabbitMQ 4.1's message size histogram's upper bounds in bytes (its dashboard asks for these le values).
+SIZE_BUCKETS = (100, 1000, 10000, 100000, 1000000, 10000000, 50000000, 100000000)
+
 
 class NodeStats:
     """Totals since the node started (counters only go up), as rabbit_global_counters."""
@@ -59,9 +62,9 @@ class NodeStats:
         self.queues_declared = 0  # queue.declare (and its HTTP and gRPC equivalents), new or not
         self.queues_created = 0
         self.queues_deleted = 0
-        # Published body sizes by ceil(log4(size)) (index 3: up to 64 B, 4: up to 256 B, ...), the
-        # rabbitmq_message_size_bytes histogram's buckets; one list store per publish, no search.
-        self.message_sizes = [0] * 34
+        # Published body sizes per bucket of SIZE_BUCKETS (the last: larger), RabbitMQ 4's
+        # rabbitmq_message_size_bytes histogram; a publish finds its bucket with bisect (C, no loop).
+        self.message_sizes = [0] * (len(SIZE_BUCKETS) + 1)
         self.message_bytes = 0
 
     @property

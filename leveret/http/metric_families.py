@@ -38,6 +38,7 @@ from prometheus_client.core import (
     UnknownMetricFamily,
 )
 
+from core.engine.node_stats import SIZE_BUCKETS
 from leveret import __version__
 from leveret.node import resources
 
@@ -69,18 +70,20 @@ class View:
     prefix: str = "rabbitmq_"
     families: tuple[str, ...] | None = None  # None: everything (not detailed)
     vhosts: frozenset[str] | None = None  # detailed only: restrict queue families
+    endpoint: str = "aggregated"  # rabbitmq_identity_info's rabbitmq_endpoint
 
     def wants(self, family: str) -> bool:
         return self.families is None or family in self.families
 
 
 AGGREGATED = View()
-PER_OBJECT = View(per_object=True)
+PER_OBJECT = View(per_object=True, endpoint="per-object")
 
 
 def detailed(families: Iterable[str], vhosts: Iterable[str] = ()) -> View:
     vh = frozenset(vhosts)
-    return View(per_object=True, prefix="rabbitmq_detailed_", families=tuple(families), vhosts=vh or None)
+    return View(per_object=True, prefix="rabbitmq_detailed_", families=tuple(families), vhosts=vh or None,
+                endpoint="detailed")
 
 
 def resident_memory_bytes() -> int:
@@ -164,9 +167,10 @@ class NodeCollector:
         build.add_metric(["Leveret", __version__, __version__, __version__, _client_version(),
                           "Python " + platform.python_version()], 1)
         yield build
+        # rabbitmq_endpoint: which of the three views answered (RabbitMQ 4's dashboards pin "aggregated").
         ident = UnknownMetricFamily("rabbitmq_identity_info", "RabbitMQ node & cluster identity info",
-                                    labels=["rabbitmq_node", "rabbitmq_cluster"])
-        ident.add_metric([node.broker.node_id, self._cluster_name()], 1)
+                                    labels=["rabbitmq_node", "rabbitmq_cluster", "rabbitmq_endpoint"])
+        ident.add_metric([node.broker.node_id, self._cluster_name(), self.view.endpoint], 1)
         yield ident
 
     def _global_counters(self) -> Iterator[Metric]:
@@ -278,16 +282,13 @@ class NodeCollector:
             yield CounterMetricFamily(self._name(name), help_, value=value)
 
     def _message_sizes(self) -> Metric:
-        """RabbitMQ 4's rabbitmq_message_size_bytes: published body sizes, buckets 64 B to 256 MiB by 4x."""
+        """RabbitMQ 4.1's rabbitmq_message_size_bytes: published body sizes, its buckets (100 B to 100 MB)."""
         s = self.node.broker.stats
-        counts = s.message_sizes
         buckets: list[tuple[str, float]] = []
         seen = 0
-        for i in range(len(counts)):
-            seen += counts[i]
-            if 3 <= i <= 14:  # 4**3 = 64 B ... 4**14 = 256 MiB, as RabbitMQ's buckets
-                buckets.append((str(4**i), seen))
-        buckets.append(("+Inf", seen))
+        for bound, count in zip((*map(str, SIZE_BUCKETS), "+Inf"), s.message_sizes, strict=True):
+            seen += count
+            buckets.append((bound, seen))
         h = HistogramMetricFamily("rabbitmq_message_size_bytes", "Size of messages received from publishers",
                                   labels=["protocol"])
         h.add_metric([PROTOCOL], buckets, sum_value=s.message_bytes)
