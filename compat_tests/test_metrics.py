@@ -302,3 +302,26 @@ def test_every_overview_dashboard_panel_has_data(node: MetricsNode, tmp_path: Pa
     finally:
         prometheus.terminate()
         prometheus.wait(timeout=30)
+
+
+def test_quorum_queue_log_series(node: MetricsNode) -> None:
+    """The Quorum-Queues-Raft dashboard's log series, per quorum queue, with Leveret's meaning
+    (operations committed; what lies past the "snapshot" is what the queue holds)."""
+    conn = pika.BlockingConnection(pika.URLParameters(node.url))
+    try:
+        ch = conn.channel()
+        ch.confirm_delivery()
+        ch.queue_declare("raft-q", durable=True, arguments={"x-queue-type": "quorum"})
+        ch.queue_declare("classic-q", durable=True)
+        for i in range(3):
+            ch.basic_publish("", "raft-q", f"m{i}".encode(), pika.BasicProperties(delivery_mode=2))
+        method, _, _ = ch.basic_get("raft-q")
+        ch.basic_ack(method.delivery_tag)
+        found = samples(node.scrape())
+        q = {"vhost": "/", "queue": "raft-q"}
+        assert value(found, "rabbitmq_raft_log_commit_index", **q) == 4  # 3 publishes, 1 settlement
+        assert value(found, "rabbitmq_raft_log_last_written_index", **q) == 4
+        assert value(found, "rabbitmq_raft_log_snapshot_index", **q) == 2  # 2 messages held
+        assert not [k for k in found if k[0] == "rabbitmq_raft_log_commit_index" and ("queue", "classic-q") in k[1]]
+    finally:
+        conn.close()

@@ -39,6 +39,7 @@ from prometheus_client.core import (
 )
 
 from core.engine.node_stats import SIZE_BUCKETS
+from core.engine.stats import queue_counters
 from leveret import __version__
 from leveret.node import resources
 
@@ -107,6 +108,7 @@ class NodeCollector:
             yield from self._global_counters()
             yield from self._channel_counters()
             yield from self._alarms()
+            yield from self._raft()
             yield from self._leveret()
         if view.wants("connection_churn_metrics"):
             yield from self._churn()
@@ -361,6 +363,29 @@ class NodeCollector:
         yield ready
         yield unacked
         yield total
+
+    def _raft(self) -> Iterator[Metric]:
+        """The Quorum-Queues-Raft dashboard's log series, per quorum queue this node owns, with Leveret's
+        meaning: a quorum queue is one owner writing to the store (no Raft log), so its "log" is its
+        operations (publishes and settlements, every one committed before it is answered) and what
+        lies past the "snapshot" is what the queue holds. docs/METRICS.md says which panels follow."""
+        labels = ["vhost", "queue"]
+        commit = GaugeMetricFamily("rabbitmq_raft_log_commit_index", "Raft log commit index", labels=labels)
+        written = GaugeMetricFamily("rabbitmq_raft_log_last_written_index", "Raft log last written index",
+                                    labels=labels)
+        snapshot = GaugeMetricFamily("rabbitmq_raft_log_snapshot_index", "Raft log snapshot index", labels=labels)
+        for q in self._local_queues():
+            if not q.args.quorum:
+                continue
+            published, _delivered, acked, _redelivered = queue_counters(q)
+            ops = published + acked
+            key = [q.vhost, q.name]
+            commit.add_metric(key, ops)
+            written.add_metric(key, ops)
+            snapshot.add_metric(key, ops - q.message_count - q.default.unacked)
+        yield commit
+        yield written
+        yield snapshot
 
     def _labels(self) -> list[str]:
         return ["vhost", "queue"] if self.view.per_object else []
