@@ -361,16 +361,27 @@ def test_console_admin_forms_and_paged_queues(mgmt: Mgmt, tmp_path: Path) -> Non
 
             # 120 queues of this test: two pages of 100 under a name filter, sorted by the node.
             page.goto(mgmt.base + "/#/queues")
-            page.fill("#queue-filter [name=name]", f"page-{tag}")
-            page.click("#queue-filter button")
-            page.wait_for_selector("#queue-pager:has-text('page 1 of 2 (120 of')")
+            page.fill("#queues-filter [name=name]", f"page-{tag}")
+            page.click("#queues-filter button")
+            page.wait_for_selector("#queues-pager:has-text('page 1 of 2 (120 of')")
             assert page.locator("#queues tbody tr").count() == 100
-            page.click("#next-page")
-            page.wait_for_selector("#queue-pager:has-text('page 2 of 2')")
+            page.click("#queues-next")
+            page.wait_for_selector("#queues-pager:has-text('page 2 of 2')")
             assert page.locator("#queues tbody tr").count() == 20
             page.click("#queues th:has-text('Name')")  # sorted by name, then reversed
             page.wait_for_selector("#queues th:has-text('Name ▼')")
             assert page.locator("#queues tbody tr a.queue-link").first.inner_text() == f"page-{tag}-119"
+            # The other lists page and filter the same way: connections by name, with their byte rates.
+            page.goto(mgmt.base + "/#/connections")
+            page.wait_for_selector("#connections-pager:has-text('page 1 of')")
+            page.fill("#connections-filter [name=name]", "no-such-connection")
+            page.click("#connections-filter button")
+            page.wait_for_selector("#connections-pager:has-text('(0 of')")
+            page.goto(mgmt.base + "/#/exchanges")
+            page.fill("#exchanges-filter [name=name]", x)
+            page.click("#exchanges-filter button")
+            page.wait_for_selector("#exchanges-pager:has-text('(1 of')")
+            assert page.locator("#exchanges tbody tr").count() == 1
             shot = tmp_path / "console-admin.png"
             page.goto(mgmt.base + "/#/users")
             page.wait_for_selector("#add-user")

@@ -4,7 +4,7 @@
 
 // gen: each route() call's number (an answer for an older one is dropped); shown: the hash the page shows.
 const state = { auth: sessionStorage.getItem("leveret-auth"), timer: null, sort: {}, gen: 0, shown: null,
-  queues: { page: 1, name: "", sort: "name", rev: false } };
+  lists: {} };
 
 function el(tag, attrs, ...children) {
   const node = document.createElement(tag);
@@ -124,6 +124,34 @@ function adminForm(id, title, fields, button, submit) {
   } }, el("h3", {}, title), inputs, el("button", {}, button));
 }
 
+// A list paged, sorted and filtered by the node (RabbitMQ's page, page_size, name, sort and columns
+// parameters), so 10,000 objects never travel at once. cols: [label, field (dotted), numeric, render].
+async function pagedList(key, path, noun, cols) {
+  const q = (state.lists[key] ||= { page: 1, name: "", sort: "name", rev: false });
+  const fields = cols.map(([, field]) => field.replace(/_details\.rate$/, "_details"));
+  const params = new URLSearchParams({ page: String(q.page), page_size: "100", name: q.name, use_regex: "false",
+    sort: q.sort, sort_reverse: String(q.rev), columns: [...new Set(["vhost", "name", ...fields])].join(",") });
+  const res = await api("GET", `${path}?${params}`);
+  if (q.page > 1 && q.page > res.page_count) { q.page = Math.max(1, res.page_count); return pagedList(key, path, noun, cols); }
+  const get = (row, field) => field.split(".").reduce((o, k) => (o || {})[k], row) ?? "";
+  const head = el("tr", {}, cols.map(([label, field, num]) => el("th", { class: num ? "num" : "", onclick: () => {
+    q.rev = q.sort === field ? !q.rev : false; q.sort = field; q.page = 1; route();
+  } }, label + (q.sort === field ? (q.rev ? " ▼" : " ▲") : ""))));
+  const body = res.items.map((row) => el("tr", {}, cols.map(([, field, num, render]) =>
+    el("td", { class: num ? "num" : "" }, render ? render(row) : String(get(row, field) ?? ""))))); 
+  const filter = el("form", { class: "inline list-filter", id: `${key}-filter`, onsubmit: (e) => {
+    e.preventDefault(); q.name = new FormData(e.target).get("name"); q.page = 1; route();
+  } }, el("label", {}, "Name contains ", el("input", { name: "name", value: q.name })), el("button", {}, "Filter"));
+  const pager = el("p", { id: `${key}-pager` },
+    el("button", { id: `${key}-prev`, ...(res.page <= 1 ? { disabled: "" } : {}), onclick: () => { q.page -= 1; route(); } },
+      "‹ Previous"),
+    ` page ${res.page} of ${Math.max(1, res.page_count)} (${res.filtered_count} of ${res.total_count} ${noun}) `,
+    el("button", { id: `${key}-next`, ...(res.page >= res.page_count ? { disabled: "" } : {}),
+      onclick: () => { q.page += 1; route(); } }, "Next ›"));
+  return { view: [el("h2", { id: `${key}-heading` }, `${noun[0].toUpperCase()}${noun.slice(1)} (${res.filtered_count})`),
+    filter, pager, el("table", { id: key }, el("thead", {}, head), el("tbody", {}, body))], res };
+}
+
 const views = {
   async overview() {
     const [o, nodes, hist] = await Promise.all([api("GET", "/overview"), api("GET", "/nodes").catch(() => []),
@@ -163,40 +191,18 @@ const views = {
   },
 
   async queues() {
-    // Paged, sorted and filtered by the node (10,000 queues are never all sent): RabbitMQ's list parameters.
-    const q = state.queues;
-    const params = new URLSearchParams({ page: String(q.page), page_size: "100", name: q.name, use_regex: "false",
-      sort: q.sort, sort_reverse: String(q.rev), columns: "vhost,name,type,messages,messages_ready," +
-      "messages_unacknowledged,consumers,message_stats.publish_details,message_stats.deliver_get_details" });
-    const res = await api("GET", "/queues?" + params);
-    if (q.page > 1 && q.page > res.page_count) { q.page = Math.max(1, res.page_count); return views.queues(); }
-    const cols = [["Vhost", "vhost"], ["Name", "name"], ["Type", "type"], ["Messages", "messages", true],
-      ["Ready", "messages_ready", true], ["Unacked", "messages_unacknowledged", true], ["Consumers", "consumers", true],
-      ["Publish/s", "message_stats.publish_details.rate", true], ["Deliver/s", "message_stats.deliver_get_details.rate",
-        true]];
-    const get = (row, path) => path.split(".").reduce((o, k) => (o || {})[k], row) ?? 0;
-    const head = el("tr", {}, cols.map(([label, field, num]) => el("th", { class: num ? "num" : "", onclick: () => {
-      q.rev = q.sort === field ? !q.rev : false; q.sort = field; q.page = 1; route();
-    } }, label + (q.sort === field ? (q.rev ? " ▼" : " ▲") : ""))));
-    const body = res.items.map((row) => el("tr", {}, cols.map(([, field, num]) => el("td", { class: num ? "num" : "" },
-      field === "name" ? el("a", { href: `#/queue/${enc(row.vhost)}/${enc(row.name)}`, class: "queue-link" }, row.name)
-        : String(get(row, field))))));
-    const filter = el("form", { class: "inline", id: "queue-filter", onsubmit: (e) => {
-      e.preventDefault(); q.name = new FormData(e.target).get("name"); q.page = 1; route();
-    } }, el("label", {}, "Name contains ", el("input", { name: "name", value: q.name })), el("button", {}, "Filter"));
-    const pager = el("p", { id: "queue-pager" },
-      el("button", { id: "prev-page", ...(res.page <= 1 ? { disabled: "" } : {}), onclick: () => { q.page -= 1; route(); } },
-        "‹ Previous"),
-      ` page ${res.page} of ${Math.max(1, res.page_count)} (${res.filtered_count} of ${res.total_count} queues) `,
-      el("button", { id: "next-page", ...(res.page >= res.page_count ? { disabled: "" } : {}),
-        onclick: () => { q.page += 1; route(); } }, "Next ›"));
+    const { view } = await pagedList("queues", "/queues", "queues", [["Vhost", "vhost"], ["Name", "name", false,
+      (row) => el("a", { href: `#/queue/${enc(row.vhost)}/${enc(row.name)}`, class: "queue-link" }, row.name)],
+    ["Type", "type"], ["Messages", "messages", true], ["Ready", "messages_ready", true],
+    ["Unacked", "messages_unacknowledged", true], ["Consumers", "consumers", true],
+    ["Publish/s", "message_stats.publish_details.rate", true],
+    ["Deliver/s", "message_stats.deliver_get_details.rate", true]]);
     const add = adminForm("add-queue", "Add a queue", [["vhost", "Vhost", "text", "/"], ["name", "Name"],
       ["type", "Type", ["classic", "quorum", "stream"]], ["durable", "Durable", "checkbox", true],
       ["auto_delete", "Auto-delete", "checkbox"], ["arguments", "Arguments", "json"]], "Add queue",
     (v) => api("PUT", `/queues/${enc(v.vhost)}/${enc(v.name)}`, { durable: v.durable, auto_delete: v.auto_delete,
       arguments: { ...v.arguments, "x-queue-type": v.type } }));
-    return { view: [el("h2", { id: "queues-heading" }, `Queues (${res.filtered_count})`), filter, pager,
-      el("table", { id: "queues" }, el("thead", {}, head), el("tbody", {}, body)), add] };
+    return { view: [...view, add] };
   },
 
   async queue(vhost, name) {
@@ -275,11 +281,11 @@ const views = {
   },
 
   async exchanges() {
-    const [xs, bs] = await Promise.all([api("GET", "/exchanges"), api("GET", "/bindings")]);
-    return { view: [el("h2", {}, "Exchanges"), table("exchanges", [["Vhost", (x) => x.vhost],
-      ["Name", (x) => x.name || "(default)"], ["Type", (x) => x.type], ["Durable", (x) => String(x.durable)],
-      ["Arguments", (x) => JSON.stringify(x.arguments || {})],
-      ["Publish in/s", (x) => rate(x.message_stats, "publish_in"), true]], xs, "exchanges"),
+    const [{ view }, bs] = await Promise.all([pagedList("exchanges", "/exchanges", "exchanges", [
+      ["Vhost", "vhost"], ["Name", "name", false, (x) => x.name || "(default)"], ["Type", "type"],
+      ["Durable", "durable"], ["Arguments", "arguments", false, (x) => JSON.stringify(x.arguments || {})],
+      ["Publish in/s", "message_stats.publish_in_details.rate", true]]), api("GET", "/bindings")]);
+    return { view: [...view,
     el("h3", {}, "Bindings"), table("all-bindings", [["Vhost", (b) => b.vhost], ["Source", (b) => b.source || "(default)"],
       ["Destination", (b) => `${b.destination_type} ${b.destination}`], ["Routing key", (b) => b.routing_key],
       ["Arguments", (b) => JSON.stringify(b.arguments)]], bs.filter((b) => b.source), "all-bindings"),
@@ -299,24 +305,24 @@ const views = {
   },
 
   async connections() {
-    const cs = await api("GET", "/connections");
-    return { view: [el("h2", {}, `Connections (${cs.length})`), table("connections", [
-      ["Name", (c) => c.name], ["User", (c) => c.user], ["Vhost", (c) => c.vhost], ["State", (c) => c.state],
-      ["Channels", (c) => c.channels, true],
-      ["Client", (c) => (c.client_properties || {}).product || ""],
-      ["", () => "", false, (c) => el("button", { class: "close-connection", onclick: async () => {
+    return pagedList("connections", "/connections", "connections", [
+      ["Name", "name"], ["User", "user"], ["Vhost", "vhost"], ["State", "state"], ["Channels", "channels", true],
+      ["Client", "client_properties", false, (c) => (c.client_properties || {}).product || ""],
+      ["Received/s", "recv_oct_details.rate", true], ["Sent/s", "send_oct_details.rate", true],
+      ["", "peer_port", false, (c) => el("button", { class: "close-connection", onclick: async () => {
         const reason = prompt(`Close ${c.name}? Reason:`, "Closed via the Leveret console");
         if (reason === null) return;
         await act(() => api("DELETE", `/connections/${enc(c.name)}`, undefined, { "X-Reason": reason }), "Closed");
       } }, "Close")],
-    ], cs, "connections")] };
+    ]);
   },
 
   async channels() {
-    const chs = await api("GET", "/channels");
-    return { view: [el("h2", {}, "Channels"), table("channels", [["Name", (c) => c.name], ["User", (c) => c.user],
-      ["Consumers", (c) => c.consumer_count, true], ["Unacked", (c) => c.messages_unacknowledged, true],
-      ["Prefetch", (c) => c.prefetch_count, true], ["Confirm", (c) => String(c.confirm)]], chs, "channels")] };
+    return pagedList("channels", "/channels", "channels", [["Name", "name"], ["User", "user"],
+      ["Consumers", "consumer_count", true], ["Unacked", "messages_unacknowledged", true],
+      ["Prefetch", "prefetch_count", true], ["Confirm", "confirm"],
+      ["Publish/s", "message_stats.publish_details.rate", true],
+      ["Deliver/s", "message_stats.deliver_get_details.rate", true]]);
   },
 
   async users() {
