@@ -224,6 +224,10 @@ def test_console_queue_page_follows_the_address(mgmt: Mgmt, tmp_path: Path) -> N
             assert page.inner_text("#queue-heading") == f"Queue {first} (vhost /)"
             page.click("#get-button")
             page.wait_for_selector("#got:has-text('to the first')")
+            # The page's charts come from the node, which keeps this queue's samples from its first view.
+            page.wait_for_selector("#queue-depth-chart")
+            kept = mgmt.get(f"/api/leveret/samples?vhost=%2F&queue={first}")["samples"]
+            assert kept and kept[-1]["messages"] == 2 and "publish_rate" in kept[-1]
             print(f"\nconsole screenshot: {shot}")
             assert errors == []
         finally:

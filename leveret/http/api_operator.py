@@ -228,10 +228,22 @@ def node_gauges(node: NodeView) -> dict[str, float]:
 
 
 async def samples(call: Call) -> dict[str, Any]:
-    """The node's totals every sample interval for the last minutes: (unix ms, fields) oldest first."""
+    """The node's totals every sample interval for the last minutes: (unix ms, fields) oldest first.
+    ``?vhost=V&queue=Q`` or ``?connection=NAME``: that object's own samples, kept from the first
+    time it is asked for (leveret/http/rates.py WATCHED)."""
     rates = call.api.rates
-    return {"interval": rates.interval, "samples": [{"timestamp": int(t * 1000), **point}
-                                                    for t, point in rates.history]}
+    if "queue" in call.query:
+        vh = call.vhost(call.query.get("vhost", "/"))
+        if call.query["queue"] not in vh.queues:
+            raise not_found(f"no queue '{call.query['queue']}' in vhost '{vh.name}'")
+        history = rates.watch(("queue", vh.name, call.query["queue"]))
+    elif "connection" in call.query:
+        if not call.sees_all:
+            raise not_found()
+        history = rates.watch(("connection", call.query["connection"]))
+    else:
+        history = list(rates.history)
+    return {"interval": rates.interval, "samples": [{"timestamp": int(t * 1000), **point} for t, point in history]}
 
 
 def node_extras(call: Call) -> dict[str, Any]:

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections import deque
+from collections import OrderedDict, deque
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
@@ -30,6 +30,9 @@ if TYPE_CHECKING:
 
 INTERVAL = 5.0
 HISTORY = 120
+# Queues and connections whose own history is kept, from when the console (or anyone) first asks for it:
+# keeping every one of 10,000 queues' last 10 minutes would hold over a million samples.
+WATCHED = 64
 EXCHANGE_FIELDS = ("publish_in",)
 # RabbitMQ's overview (and channel) message_stats, from NodeStats in this order.
 NODE_FIELDS = ("publish", "confirm", "return_unroutable", "drop_unroutable", "deliver_get", "get", "get_no_ack",
@@ -71,6 +74,8 @@ class RateSampler:
         self.history: deque[tuple[float, dict[str, float]]] = deque(maxlen=HISTORY)
         # The node's gauges each sample adds to the history (memory against the alarm, disk, fds, sockets).
         self.gauges: Callable[[], dict[str, float]] | None = None
+        # ("queue", vhost, name) or ("connection", name) -> its samples, least recently asked for first.
+        self.watched: OrderedDict[Key, deque[tuple[float, dict[str, float]]]] = OrderedDict()
 
     def start(self) -> None:
         self.sample()
@@ -117,7 +122,44 @@ class RateSampler:
             point[field + "_rate"] = rate
         if self.gauges is not None:
             point.update(self.gauges())
-        self.history.append((time.time(), point))
+        now = time.time()
+        self.history.append((now, point))
+        if self.watched:
+            octets = {}
+            if self.amqp is not None and any(k[0] == "connection" for k in self.watched):
+                from leveret.http.views import connection_name
+
+                octets = {connection_name(p): p for p in self.amqp.connections if p.conn is not None}
+            for key, hist in self.watched.items():
+                one = self._point(key, octets)
+                if one is not None:
+                    hist.append((now, one))
+
+    def _point(self, key: Key, connections: dict[str, Any]) -> dict[str, float] | None:
+        last = self._last[1]
+        if key[0] == "queue":
+            d = last.get(("d", key[1], key[2]))
+            if d is None:
+                return None  # not (or no longer) here
+            point: dict[str, float] = dict(zip(DEPTH_FIELDS, d, strict=True))
+            rates = self.rates(("q", key[1], key[2]), len(QUEUE_FIELDS))
+            point.update({f + "_rate": r for f, r in zip(QUEUE_FIELDS, rates, strict=True)})
+            return point
+        proto = connections.get(key[1])
+        if proto is None:
+            return None
+        rates = self.rates(("c", id(proto)), 2)
+        return {"recv_oct_rate": rates[0], "send_oct_rate": rates[1], "channels": len(proto.conn.channels)}
+
+    def watch(self, key: Key) -> list[tuple[float, dict[str, float]]]:
+        """This object's samples so far; from now on each sample keeps one more (for WATCHED objects)."""
+        hist = self.watched.get(key)
+        if hist is None:
+            hist = self.watched[key] = deque(maxlen=HISTORY)
+            while len(self.watched) > WATCHED:
+                self.watched.popitem(last=False)
+        self.watched.move_to_end(key)
+        return list(hist)
 
     def rates(self, key: Key, width: int) -> tuple[float, ...]:
         t0, before = self._prev

@@ -207,8 +207,15 @@ const views = {
 
   async queue(vhost, name) {
     const path = `/queues/${enc(vhost)}/${enc(name)}`;
-    const [q, bindings, consumers] = await Promise.all([api("GET", path), api("GET", path + "/bindings"),
-      api("GET", `/consumers/${enc(vhost)}`)]);
+    const [q, bindings, consumers, hist] = await Promise.all([api("GET", path), api("GET", path + "/bindings"),
+      api("GET", `/consumers/${enc(vhost)}`),
+      api("GET", `/leveret/samples?vhost=${enc(vhost)}&queue=${enc(name)}`).catch(() => ({ samples: [] }))]);
+    // The node keeps this queue's samples from the first time its page is shown (the last 10 minutes).
+    const depth = chartCard("queue-depth-chart", "Queued messages", hist.samples, [["messages", "#2b6cb0", "total"],
+      ["messages_ready", "#2f855a", "ready"], ["messages_unacknowledged", "#c05621", "unacked"]], "msgs");
+    const rates = chartCard("queue-rates-chart", "Message rates", hist.samples, [["publish_rate", "#2b6cb0",
+      "publish"], ["deliver_get_rate", "#c05621", "deliver/get"], ["ack_rate", "#2f855a", "ack"],
+      ["redeliver_rate", "#b00020", "redeliver"]], "msg/s");
     const out = el("pre", { id: "got" });
     const getForm = el("form", { class: "card inline", id: "get-form", onsubmit: async (e) => {
       e.preventDefault();
@@ -261,6 +268,7 @@ const views = {
          ["Deliver/s", rate(q.message_stats, "deliver_get")]]
           .map(([k, v, id]) => el("div", {}, el("b", { id }, v), k))),
       el("p", {}, `durable: ${q.durable}, auto-delete: ${q.auto_delete}, arguments: ${JSON.stringify(q.arguments)}`),
+      el("div", { class: "charts", id: "queue-charts" }, depth.card, rates.card),
       el("div", {},
         el("button", { id: "purge-button", onclick: () => act(() => api("DELETE", path + "/contents"), "Purged") },
           "Purge"),
@@ -277,7 +285,7 @@ const views = {
         ["Ack required", (c) => String(c.ack_required)], ["Prefetch", (c) => c.prefetch_count, true]],
       mine, "qconsumers"),
       getForm, pubForm, moveForm,
-    ] };
+    ], after: () => { depth.draw(); rates.draw(); } };
   },
 
   async exchanges() {
