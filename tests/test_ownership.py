@@ -16,7 +16,8 @@ import itertools
 
 import pytest
 
-from core.cluster.forwarding import Peers, QueueRemote
+from core.cluster.link import Peers
+from core.cluster.remote import QueueRemote
 from core.engine.ownership import (
     TRANSITIONS,
     IllegalTransition,

@@ -16,9 +16,11 @@ import grpc
 import pytest
 from pamqp import commands, frame
 
-# pb_grpc through forwarding: the generated module moves from core.grpc_api to core.cluster on main.
+from core.cluster import internal_pb2_grpc as pb_grpc
 from core.cluster.auth import PeerAuth
-from core.cluster.forwarding import NodeService, Peers, QueueRemote, pb_grpc
+from core.cluster.link import Peers
+from core.cluster.remote import QueueRemote
+from core.cluster.service import NodeService
 from core.durable.durability import Durability
 from core.durable.group_commit import GroupCommitter
 from core.engine import publish

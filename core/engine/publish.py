@@ -20,25 +20,26 @@ channel, which must not await) or awaited (the asyncio layers). See
 docs/notes/publish.md.
 
 This module must not import core.cluster: a remote queue is reached through
-its ``remote`` hook (forward on enqueue, ``when_forwarded`` for the answer).
+its ``remote`` port (core/ports/remote.py: forward on enqueue, ``when_forwarded``
+for the answer).
 """
 
 from __future__ import annotations
 
 import asyncio
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING
 
 from core.engine import direct_reply
 from core.model import properties
 
 if TYPE_CHECKING:
-    from core.durable.group_commit import GroupCommitter
     from core.engine.broker import Broker
     from core.engine.exchange import Exchange
-    from core.engine.queue import Queue
+    from core.engine.queue import Queue, Remote
     from core.engine.vhost import VirtualHost
     from core.model.message import Message
+    from core.ports.storage import Committer
 
 Settled = Callable[[bool], None]
 
@@ -101,12 +102,12 @@ class Outcome:
         return self.ok
 
     # -- building it (this module and the owner side of forwarding) ----------------
-    def wait_for_owner(self, remote: _Remote) -> None:
+    def wait_for_owner(self, remote: Remote) -> None:
         """The message just forwarded through ``remote``: settled also by its owner's answer."""
         self._pending += 1
         remote.when_forwarded(self._owner_answer)
 
-    def seal(self, committer: GroupCommitter | None) -> Outcome:
+    def seal(self, committer: Committer | None) -> Outcome:
         """Everything is enqueued: wait for the commit if a store took the message, then settle."""
         if self.needs_commit:
             assert committer is not None, "a queue with a store on a broker without a committer"
@@ -134,12 +135,6 @@ class Outcome:
                     done(self.ok)
 
 
-class _Remote(Protocol):
-    """What a queue's ``remote`` hook offers here (core.cluster.forwarding.QueueRemote)."""
-
-    def when_forwarded(self, done: Settled) -> None: ...
-
-
 # Settled outcomes shared by every publish that needs no answer (the hot path
 # allocates nothing for them).
 ROUTED = Outcome(settled=True)
@@ -147,7 +142,7 @@ UNROUTED = Outcome(routed=False, settled=True)
 REFUSED = Outcome(accepted=False, settled=True)
 
 
-def _enqueue(queues: list[Queue] | tuple[Queue, ...], message: Message, committer: GroupCommitter | None,
+def _enqueue(queues: list[Queue] | tuple[Queue, ...], message: Message, committer: Committer | None,
              track: bool) -> Outcome:
     if not track:
         # Nobody waits for the answer (no confirms, no tx): enqueue and say what happened.
@@ -203,7 +198,7 @@ def publish(broker: Broker, vhost: VirtualHost, exchange: Exchange | None, messa
     return _enqueue(queues, message, broker.committer, track)
 
 
-def publish_to(queue: Queue, message: Message, committer: GroupCommitter | None, track: bool = True) -> Outcome:
+def publish_to(queue: Queue, message: Message, committer: Committer | None, track: bool = True) -> Outcome:
     """Enqueue ``message`` into ``queue`` itself (gRPC Push, Streams.Publish, held publishes)."""
     return _enqueue((queue,), message, committer, track)
 

@@ -13,7 +13,7 @@ from __future__ import annotations
 import asyncio
 from collections import deque
 from collections.abc import Callable, Iterable, Sequence
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol, TypeAlias
 
 from core.engine import paging
 from core.engine.flow import FLOW_HIGH, FLOW_LOW, QueueFlow
@@ -24,11 +24,16 @@ from core.model import properties
 from core.model.clock import AsyncioScheduler, Scheduler, TimerHandle
 from core.model.errors import AccessRefused
 from core.model.message import Message, QueuedMessage
+from core.ports.remote import RemoteQueue
 
 if TYPE_CHECKING:
-    from core.cluster.forwarding import QueueRemote  # the coordinator sets and reads the concrete type
-    from core.durable.durability import QueueStorage
     from core.engine.ownership import Lease
+    from core.engine.stream_reader import LogChannel
+    from core.ports.storage import QueueStorage
+
+# What stands in for the owner of a queue another node owns (core/ports/remote.py), in this
+# engine's channel types: the transport behind it (core/cluster/remote.py) is not named here.
+Remote: TypeAlias = "RemoteQueue[QueueChannel, LogChannel]"
 
 # Why a message left a queue without being acknowledged (x-death "reason").
 REJECTED = "rejected"
@@ -141,7 +146,7 @@ class QueueChannel:
     def push_many(self, qms: Sequence[QueuedMessage]) -> None:
         """``push`` each of ``qms`` in order, trying the consumers once for all that wait.
 
-        For batches from another node (core/forwarding.py): once the consumers
+        For batches from another node (core/cluster/service.py): once the consumers
         are out of credit, ``push`` would try them again for every message.
         """
         lease = self.queue.lease
@@ -691,7 +696,7 @@ class Queue:
         # Cluster: set while another node owns the queue (or it is being taken
         # over); publishes go there and consumers are served through a proxy.
         # Set through set_remote (core/engine/ownership.py says when).
-        self.remote: QueueRemote | None = None
+        self.remote: Remote | None = None
         # The lease this node serves the queue under, while it owns it in a
         # cluster (see guard); None when nothing can take the queue away.
         self.lease: Lease | None = None
@@ -1025,7 +1030,7 @@ class Queue:
         lease = self.lease
         return lease is None or lease.valid()
 
-    def set_remote(self, remote: QueueRemote | None) -> QueueRemote | None:
+    def set_remote(self, remote: Remote | None) -> Remote | None:
         """What stands in for the owner from now on (a proxy, a loading gate; None: served here); the one before."""
         previous, self.remote = self.remote, remote
         if remote is not None:

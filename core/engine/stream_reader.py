@@ -15,18 +15,22 @@ import asyncio
 import logging
 from collections import deque
 from collections.abc import Iterable
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from core.engine.queue import Consumer, QueueChannel
 from core.model import properties
 from core.model.message import Message, QueuedMessage
+from core.model.tasks import spawn
 from core.ports.store import StoredMessage, StoreError
 
 if TYPE_CHECKING:
-    from core.durable.durability import QueueStorage
     from core.engine.stream import StreamQueue
+    from core.ports.storage import QueueStorage
 
 log = logging.getLogger("leveret.core")
+
+# Page reads under way (spawn holds them until done: the loop keeps only weak references).
+_loads: set[asyncio.Task[Any]] = set()
 
 
 def _queued(sm: StoredMessage) -> QueuedMessage:
@@ -40,12 +44,18 @@ def _queued(sm: StoredMessage) -> QueuedMessage:
 
 
 class LogChannel(QueueChannel):
-    """What every reader of a stream shares, here or through the owner (core/stream_proxy.py).
+    """What every reader of a stream shares, here or through the owner (core/cluster/stream_proxy.py).
 
     A log is read, not consumed: nothing is pushed into a reader, it has no
     ready list to get from or purge, and a reject, nack or requeue cannot
     take a message back, so it settles like an ack.
     """
+
+    cursor: int  # offset of the next message to deliver (-1: the owner delivers, not local appends)
+
+    def cancel_all(self) -> None:
+        """The stream went away here (deleted, or rebuilt for a new owner): cancel every consumer."""
+        raise NotImplementedError
 
     def push(self, qm: QueuedMessage) -> None:
         raise AssertionError("a stream reader reads the log; nothing is pushed into it")
@@ -167,7 +177,7 @@ class StreamReader(LogChannel):
             return
         self._loading = True
         limit = self.queue.page_limit(start)
-        asyncio.get_running_loop().create_task(self._load(storage, start, self.queue.mem_first, limit, self._seeks))
+        spawn(self._load(storage, start, self.queue.mem_first, limit, self._seeks), _loads)
 
     async def _load(self, storage: QueueStorage, start: int, below: int, limit: int, seeks: int) -> None:
         rows = None
