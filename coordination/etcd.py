@@ -308,7 +308,7 @@ class EtcdCluster:
         # anything still in flight fail.
         while True:
             await asyncio.sleep(0.1)
-            self.lease.valid()
+            self.lease.enforce()
 
     async def _refresh_once(self, ttl: int) -> None:
         sent = time.monotonic()

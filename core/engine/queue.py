@@ -149,8 +149,7 @@ class QueueChannel:
         For batches from another node (core/cluster/service.py): once the consumers
         are out of credit, ``push`` would try them again for every message.
         """
-        lease = self.queue.lease
-        if lease is not None and not lease.valid():
+        if not self.queue.lease_valid():
             return  # the node's lease ran out: the queue was just given up, its new owner serves these
         start = 0
         if self.consumers:
@@ -229,8 +228,7 @@ class QueueChannel:
         """Hand ready messages to consumers that have credit, round robin."""
         if self._dispatching:
             return
-        lease = self.queue.lease
-        if lease is not None and not lease.valid():
+        if not self.queue.lease_valid():
             return  # see Queue.guard: the queue was just given up, nothing more is delivered here
         self._dispatching = True
         try:
@@ -275,8 +273,7 @@ class QueueChannel:
 
     def get(self, no_ack: bool) -> QueuedMessage | None:
         """basic.get: the next ready message that has not expired, or None."""
-        lease = self.queue.lease
-        if lease is not None and not lease.valid():
+        if not self.queue.lease_valid():
             return None
         self.expire()
         if not self.ready:
@@ -353,11 +350,9 @@ class QueueChannel:
     # -- settlement ------------------------------------------------------------
     def settle(self, qm: QueuedMessage, consumer: Consumer | None) -> None:
         """An unacked delivery is done with (acked, or rejected without requeue)."""
-        lease = self.queue.lease
-        if lease is not None:
-            # A late ack after the lease ran out: the check gives the queue up
-            # first, so the ack reaches neither the store nor the consumers.
-            lease.valid()
+        # A late ack after the lease ran out: the check gives the queue up
+        # first, so the ack reaches neither the store nor the consumers.
+        self.queue.lease_valid()
         self.unacked -= 1
         self.acked += 1
         if consumer is not None:
@@ -397,9 +392,7 @@ class QueueChannel:
 
     def requeue(self, items: Iterable[tuple[QueuedMessage, Consumer | None]]) -> None:
         """Put unacked deliveries back in their original order, marked redelivered."""
-        lease = self.queue.lease
-        if lease is not None:
-            lease.valid()  # as settle: a queue given up takes nothing back
+        self.queue.lease_valid()  # as settle: a queue given up takes nothing back
         back: list[QueuedMessage] = []
         over: list[QueuedMessage] = []  # returned more often than x-delivery-limit
         limit = self.queue.args.delivery_limit
@@ -740,8 +733,7 @@ class Queue:
 
     def enqueue(self, message: Message) -> bool:
         """Add ``message``; False when the queue refused it (x-overflow reject-publish*)."""
-        lease = self.lease
-        if lease is not None and not lease.valid() and self.deleted:
+        if not self.lease_valid() and self.deleted:
             return False  # the lease ran out and the queue went with it (nothing of it was stored)
         if self.remote is not None:
             self.remote.forward(message)
@@ -766,8 +758,7 @@ class Queue:
 
     def enqueue_many(self, messages: list[Message]) -> list[bool]:
         """``enqueue`` each of ``messages`` in order (a batch another node forwarded)."""
-        lease = self.lease
-        if lease is not None and not lease.valid():
+        if not self.lease_valid():
             return [self.enqueue(m) for m in messages]  # given up just now: on to the new owner
         if (self.remote is not None or self._limited or len(self.channels) != 1
                 or type(self).enqueue is not Queue.enqueue):  # limits, filters, a stream's own enqueue
@@ -1018,17 +1009,18 @@ class Queue:
 
     # -- ownership (core/engine/ownership.py decides; a coordinator calls these) ----
     def guard(self, lease: Lease | None) -> None:
-        """Serve only while ``lease`` holds (None: nothing to check).
-
-        Enqueue, delivery, settlement and get check it first: one clock read
-        per call, on queues a cluster node owns only.
-        """
+        """Serve only while ``lease`` holds (None: nothing to check); ``lease_valid`` is the check."""
         self.lease = lease
 
     def lease_valid(self) -> bool:
-        """May this node serve the queue now? (Past the lease, the check itself gives it up.)"""
+        """May this node serve the queue now? The one lease check, made before every enqueue,
+        delivery, settlement and get (core/engine/ownership.py).
+
+        Past the lease's deadline it gives the lease up first (``Lease.enforce``: every owned queue is
+        lost, this one included) and answers False. One clock read, on queues a cluster node owns only.
+        """
         lease = self.lease
-        return lease is None or lease.valid()
+        return lease is None or lease.enforce()
 
     def set_remote(self, remote: Remote | None) -> Remote | None:
         """What stands in for the owner from now on (a proxy, a loading gate; None: served here); the one before."""

@@ -161,8 +161,7 @@ class StreamQueue(Queue):
         return True
 
     def enqueue(self, message: Message) -> bool:
-        lease = self.lease
-        if lease is not None and not lease.valid() and self.deleted:
+        if not self.lease_valid() and self.deleted:
             return False  # the lease ran out: this copy of the stream is gone (Queue.enqueue)
         if self.remote is not None:  # cluster: another node owns the stream
             self.remote.forward(message)

@@ -115,8 +115,7 @@ class StreamReader(LogChannel):
         c = self._active
         if c is None or self._dispatching:
             return
-        lease = self.queue.lease
-        if lease is not None and not lease.valid():
+        if not self.queue.lease_valid():
             return  # the node's lease ran out: the stream was just given up (Queue.guard)
         stream = self.queue
         self._dispatching = True
@@ -203,9 +202,7 @@ class StreamReader(LogChannel):
 
     # -- settlement: acks only move credit (and a group's committed offset) ---------
     def settle(self, qm: QueuedMessage, consumer: Consumer | None) -> None:
-        lease = self.queue.lease
-        if lease is not None:
-            lease.valid()  # a late ack after the lease ran out commits no offset (the stream is given up first)
+        self.queue.lease_valid()  # a late ack after the lease ran out commits no offset (the stream is given up first)
         self.unacked -= 1
         if consumer is not None:
             consumer.unacked -= 1
