@@ -218,3 +218,40 @@ def test_amqp_publish_with_malformed_headers_closes_only_its_connection_with_502
     assert broker.vhosts["/"].queues["q"].message_count == 0
     good.publish(1, b"fine", routing_key="q", properties=commands.Basic.Properties(headers={"a": {"b": [1]}}))
     assert broker.vhosts["/"].queues["q"].message_count == 1
+
+
+# -- the entry checks of a publish (core/engine/entry.py), the same for every front end ------------------
+
+
+def test_entry_checks_refuse_what_every_front_end_refuses() -> None:
+    from core.engine import entry
+    from core.engine.broker import Permission
+    from core.model.errors import AccessRefused, NotFound, PreconditionFailed
+
+    broker = local_broker()
+    broker.add_user("u", "p", vhosts={"/"})
+    broker.users["u"].permissions["/"] = Permission("", "^(amq\\.default|t|internal)$", "")
+    broker.users["u"].topic_permissions["/"] = {"t": ("^ok\\.", "")}
+    broker.user_changed("u")
+    vh = broker.vhosts["/"]
+    vh.declare_exchange("t", "topic")
+    vh.declare_exchange("internal", "direct", internal=True)
+    g = broker.access.grants("u", "/")
+
+    def summary(**props: Any) -> properties.PropertySummary:
+        return properties.scan(properties.encode(props))
+
+    assert entry.admit(vh, g, "u", "", "q", summary(user_id="u", expiration="1000")) is None
+    with pytest.raises(PreconditionFailed, match="user_id property set to 'v'"):
+        entry.admit(vh, g, "u", "", "q", summary(user_id="v"))
+    with pytest.raises(PreconditionFailed, match="invalid expiration '-1'"):
+        entry.admit(vh, g, "u", "", "q", summary(expiration="-1"))
+    assert entry.admit(vh, g, "u", "t", "ok.key", summary()) is vh.exchanges["t"]
+    with pytest.raises(AccessRefused, match="topic 'no.key'"):
+        entry.target(vh, g, "t", "no.key")
+    with pytest.raises(AccessRefused, match="internal exchange 'internal'"):
+        entry.target(vh, g, "internal", "")
+    with pytest.raises(AccessRefused, match="exchange 'missing'"):  # refused before the lookup
+        entry.target(vh, g, "missing", "")
+    with pytest.raises(NotFound, match="no exchange 'missing'"):
+        entry.target(vh, broker.access.grants("guest", "/"), "missing", "")

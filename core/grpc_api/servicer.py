@@ -23,7 +23,7 @@ from typing import Any
 
 import grpc
 
-from core.engine import access, flow, limits, publish
+from core.engine import access, entry, flow, limits, publish
 from core.engine.broker import Broker, User
 from core.engine.publish import Outcome
 from core.engine.queue import Consumer, Queue, QueueChannel
@@ -33,7 +33,7 @@ from core.engine.vhost import VirtualHost
 from core.grpc_api import leveret_pb2 as pb
 from core.grpc_api import leveret_pb2_grpc as pb_grpc
 from core.model import properties
-from core.model.errors import BrokerError, PreconditionFailed
+from core.model.errors import BrokerError
 from core.model.message import Message, QueuedMessage
 
 log = logging.getLogger("leveret.grpc")
@@ -85,15 +85,13 @@ class ApiError(Exception):
 def message_properties(
     user: User, given: Any, persistent: bool
 ) -> tuple[bytes, properties.PropertySummary]:
-    """A pushed message's property bytes and summary; a user-id other than the caller's is refused, as in AMQP."""
+    """A pushed message's property bytes and summary, past the entry checks every front end makes
+    (core/engine/entry.py: no other user's id, an expiration in milliseconds)."""
     if not len(given):
         return _PERSISTENT if persistent else _TRANSIENT
     props = encode_properties(dict(given), persistent)
     summary = properties.scan(props)
-    if summary.user_id is not None and summary.user_id != user.name:
-        raise PreconditionFailed(
-            f"user_id property set to '{summary.user_id}' but authenticated user was '{user.name}'"
-        )
+    entry.check_properties(summary, user.name)
     return props, summary
 
 
@@ -502,7 +500,7 @@ class BrokerServicer(pb_grpc.BrokerServicer):
     async def Push(self, request: pb.PushRequest, context: Any) -> pb.PushResponse:
         async with _errors(context):
             user, vh = self.login(context)
-            access.publish(self.grants(user, vh), "")
+            entry.target(vh, self.grants(user, vh), "", request.queue)  # a publish to the default exchange
             q = self._queue(vh, request.queue)
             # A resource alarm (memory, disk) holds pushes as it blocks AMQP publishers.
             await self.broker.alarms.wait_clear()
@@ -521,7 +519,7 @@ class BrokerServicer(pb_grpc.BrokerServicer):
     async def PushBatch(self, request: pb.PushBatchRequest, context: Any) -> pb.PushBatchResponse:
         async with _errors(context):
             user, vh = self.login(context)
-            access.publish(self.grants(user, vh), "")
+            entry.target(vh, self.grants(user, vh), "", request.queue)  # a publish to the default exchange
             q = self._queue(vh, request.queue)
             response = pb.PushBatchResponse()
             add = response.results.add

@@ -32,7 +32,7 @@ from typing import Any
 
 import grpc
 
-from core.engine import access, partition, publish
+from core.engine import access, entry, partition, publish
 from core.engine.queue import Consumer, Queue, QueueChannel, Remote
 from core.engine.stream import StreamQueue, reachable, until_reachable
 from core.engine.stream_args import FIRST, LAST, NEXT, OffsetSpec, parse_age, reader_arguments
@@ -249,7 +249,7 @@ class StreamsServicer(pb_grpc.StreamsServicer):
             props, summary = message_properties(user, request.properties, True)
             x = partition.exchange_of(vh, topic)
             # As AMQP: a partitioned stream is a publish to its exchange, a plain one to the default exchange.
-            access.publish(self.api.grants(user, vh), topic if x is not None else "")
+            entry.target(vh, self.api.grants(user, vh), topic if x is not None else "", request.key)
             node = self.api.broker.node_id
             q: Queue
             if x is not None:
