@@ -220,6 +220,71 @@ def test_amqp_publish_with_malformed_headers_closes_only_its_connection_with_502
     assert broker.vhosts["/"].queues["q"].message_count == 1
 
 
+# -- sender-selected distribution: CC and BCC route too, BCC is not delivered ------------------------------
+
+
+def _headers_message(exchange: str, routing_key: str, headers: dict[str, Any]) -> Message:
+    return Message(exchange, routing_key, properties.encode({"headers": headers}), b"body")
+
+
+def _ready_headers(q: Queue) -> list[dict[str, Any]]:
+    return [qm.message.headers for qm in q.default.ready]
+
+
+def test_cc_and_bcc_route_by_every_key_and_bcc_is_taken_out() -> None:
+    broker = local_broker()
+    vh = broker.vhosts["/"]
+    qs = {n: vh.declare_queue(n, None) for n in ("one", "two", "three", "four", "other")}
+    for n in ("one", "two", "three", "four"):
+        vh.bind("amq.direct", qs[n], n, {})
+    m = _headers_message("amq.direct", "one", {"CC": ["two", "three"], "BCC": ["four", "one"], "k": "v"})
+    outcome = publish.publish(broker, vh, vh.exchanges["amq.direct"], m)
+    assert outcome.routed
+    assert [q.message_count for q in qs.values()] == [1, 1, 1, 1, 0]  # "one" named twice: once
+    for n in ("one", "two", "three", "four"):
+        assert _ready_headers(qs[n]) == [{"CC": ["two", "three"], "k": "v"}], n
+
+
+def test_cc_on_the_default_exchange_names_more_queues_and_an_unroutable_cc_changes_nothing() -> None:
+    broker = local_broker()
+    vh = broker.vhosts["/"]
+    a, b = vh.declare_queue("a", None), vh.declare_queue("b", None)
+    assert publish.publish(broker, vh, None, _headers_message("", "a", {"CC": ["b", "missing"]})).routed
+    assert (a.message_count, b.message_count) == (1, 1)
+    assert publish.publish(broker, vh, None, _headers_message("", "missing", {"CC": ["b"]})).routed
+    assert b.message_count == 2
+    assert not publish.publish(broker, vh, None, _headers_message("", "none", {"CC": ["nor-this"]})).routed
+
+
+def test_cc_that_is_not_an_array_of_strings_is_no_key_and_other_headers_pay_nothing() -> None:
+    broker = local_broker()
+    vh = broker.vhosts["/"]
+    a, b = vh.declare_queue("a", None), vh.declare_queue("b", None)
+    for headers in ({"CC": "b"}, {"CC": [1, 2]}, {"ACCEPT": ["b"]}, {"x": "y"}):
+        m = _headers_message("", "a", headers)
+        assert publish.publish(broker, vh, None, m).routed
+        assert a.default.ready[-1].message is m, headers  # the same message: nothing re-encoded
+    assert (a.message_count, b.message_count) == (4, 0)
+
+
+def test_sender_selected_keys_follow_exchange_bindings_and_the_alternate_only_when_none_routes() -> None:
+    broker = local_broker()
+    vh = broker.vhosts["/"]
+    vh.declare_exchange("ae", "fanout")
+    vh.declare_exchange("x", "direct", arguments={"alternate-exchange": "ae"})
+    vh.declare_exchange("inner", "direct")
+    q_inner, q_ae, q_x = (vh.declare_queue(n, None) for n in ("inner-q", "ae-q", "x-q"))
+    vh.bind("x", vh.exchanges["inner"], "two", {})
+    vh.bind("inner", q_inner, "three", {})
+    vh.bind("x", q_x, "one", {})
+    vh.bind("ae", q_ae, "", {})
+    x = vh.exchanges["x"]
+    publish.publish(broker, vh, x, _headers_message("x", "nothing", {"CC": ["two", "three"]}))
+    assert (q_inner.message_count, q_ae.message_count, q_x.message_count) == (1, 0, 0)
+    publish.publish(broker, vh, x, _headers_message("x", "nothing", {"CC": ["nor-this"]}))
+    assert (q_inner.message_count, q_ae.message_count, q_x.message_count) == (1, 1, 0)
+
+
 # -- the entry checks of a publish (core/engine/entry.py), the same for every front end ------------------
 
 

@@ -14,6 +14,12 @@ a queue's new owner flushes), so the confirm rule is written once:
   publish a failure at once (AMQP: basic.nack);
 - without a store (a node with no durability), at once.
 
+Sender-selected distribution (RabbitMQ's extension): a message whose headers
+carry ``CC`` or ``BCC`` (arrays of strings) is routed by its routing key and
+by each of those keys; ``BCC`` is taken out of the headers before any queue
+sees the message (``CC`` stays). Only a message with a headers table that
+mentions them pays for it: the property scan knows where the table is.
+
 A publish routed to several queues is settled when all of them are: one
 ``Outcome`` with one settled signal, read by a callback (the sans-IO AMQP
 channel, which must not await) or awaited (the asyncio layers). See
@@ -32,13 +38,13 @@ from typing import TYPE_CHECKING
 
 from core.engine import direct_reply
 from core.model import properties
+from core.model.message import Message
 
 if TYPE_CHECKING:
     from core.engine.broker import Broker
     from core.engine.exchange import Exchange
     from core.engine.queue import Queue, Remote
     from core.engine.vhost import VirtualHost
-    from core.model.message import Message
     from core.ports.storage import Committer
 
 Settled = Callable[[bool], None]
@@ -181,6 +187,11 @@ def publish(broker: Broker, vhost: VirtualHost, exchange: Exchange | None, messa
     ``track`` False (a publisher that waits for nothing) skips registering for
     the answers and returns a settled outcome.
     """
+    if message.summary.headers_at >= 0 and b"CC" in message.props:
+        keys, message = sender_selected(message)
+        if len(keys) > 1:
+            queues = vhost.route_keys(exchange, message, keys)
+            return _enqueue(queues, message, broker.committer, track) if queues else UNROUTED
     routing_key = message.routing_key
     if exchange is None:
         # The default exchange: the routing key names the queue.
@@ -196,6 +207,39 @@ def publish(broker: Broker, vhost: VirtualHost, exchange: Exchange | None, messa
     if not queues:
         return UNROUTED
     return _enqueue(queues, message, broker.committer, track)
+
+
+def _keys(value: object) -> list[str]:
+    """The routing keys of a CC or BCC header: an array of strings (anything else is no key, as RabbitMQ)."""
+    if not isinstance(value, list):
+        return []
+    keys = []
+    for item in value:
+        if isinstance(item, bytes | bytearray):
+            item = bytes(item).decode("utf-8", "replace")
+        if isinstance(item, str):
+            keys.append(item)
+    return keys
+
+
+def sender_selected(message: Message) -> tuple[tuple[str, ...], Message]:
+    """The keys ``message`` is routed by (its routing key, then CC's, then BCC's) and the message to
+    enqueue: ``message`` itself, or without ``BCC`` in its headers when it had one.
+
+    A direct reply-to is routed by its own key only (the reply goes to one requester).
+    """
+    headers = message.headers
+    if "CC" not in headers and "BCC" not in headers:
+        return (message.routing_key,), message
+    keys = (message.routing_key, *_keys(headers.get("CC")), *_keys(headers.get("BCC")))
+    if message.exchange == "" and message.routing_key.startswith(direct_reply.PREFIX):
+        keys = (message.routing_key,)
+    if "BCC" in headers:
+        rest = {name: value for name, value in headers.items() if name != "BCC"}
+        props = properties.with_headers(message.props, rest)
+        message = Message(message.exchange, message.routing_key, props, message.body, None, message.node,
+                          message.timestamp)
+    return keys, message
 
 
 def publish_to(queue: Queue, message: Message, committer: Committer | None, track: bool = True) -> Outcome:
