@@ -149,7 +149,7 @@ class QueueChannel:
         For batches from another node (core/cluster/service.py): once the consumers
         are out of credit, ``push`` would try them again for every message.
         """
-        if not self.queue.lease_valid():
+        if self.queue.lease is not None and not self.queue.lease_valid():
             return  # the node's lease ran out: the queue was just given up, its new owner serves these
         start = 0
         if self.consumers:
@@ -228,7 +228,7 @@ class QueueChannel:
         """Hand ready messages to consumers that have credit, round robin."""
         if self._dispatching:
             return
-        if not self.queue.lease_valid():
+        if self.queue.lease is not None and not self.queue.lease_valid():
             return  # see Queue.guard: the queue was just given up, nothing more is delivered here
         self._dispatching = True
         try:
@@ -350,9 +350,10 @@ class QueueChannel:
     # -- settlement ------------------------------------------------------------
     def settle(self, qm: QueuedMessage, consumer: Consumer | None) -> None:
         """An unacked delivery is done with (acked, or rejected without requeue)."""
-        # A late ack after the lease ran out: the check gives the queue up
-        # first, so the ack reaches neither the store nor the consumers.
-        self.queue.lease_valid()
+        if self.queue.lease is not None:
+            # A late ack after the lease ran out: the check gives the queue up
+            # first, so the ack reaches neither the store nor the consumers.
+            self.queue.lease_valid()
         self.unacked -= 1
         self.acked += 1
         if consumer is not None:
@@ -733,7 +734,7 @@ class Queue:
 
     def enqueue(self, message: Message) -> bool:
         """Add ``message``; False when the queue refused it (x-overflow reject-publish*)."""
-        if not self.lease_valid() and self.deleted:
+        if self.lease is not None and not self.lease_valid() and self.deleted:
             return False  # the lease ran out and the queue went with it (nothing of it was stored)
         if self.remote is not None:
             self.remote.forward(message)
@@ -1017,7 +1018,9 @@ class Queue:
         delivery, settlement and get (core/engine/ownership.py).
 
         Past the lease's deadline it gives the lease up first (``Lease.enforce``: every owned queue is
-        lost, this one included) and answers False. One clock read, on queues a cluster node owns only.
+        lost, this one included) and answers False. One clock read, on queues a cluster node owns
+        only: the hot paths (enqueue, dispatch, settle) test ``lease is not None`` before calling it,
+        which keeps a queue without a lease (every queue of a single node) at one comparison.
         """
         lease = self.lease
         return lease is None or lease.enforce()
