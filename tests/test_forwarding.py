@@ -204,7 +204,7 @@ async def test_broker_congestion_reaches_its_flow_listeners() -> None:
 
 
 class _Link:
-    node_id = "b"
+    """Where the unpacked deliveries' settlements would be reported (never called here)."""
 
 
 def _mixed_messages() -> list[tuple[bytes, bytes, Message]]:
