@@ -17,14 +17,13 @@ from pamqp import commands
 from pamqp.base import Frame as Method
 
 from amqp_frontend import codec, stream_consumer
-from core.engine import access, direct_reply, limits, publish
+from core.engine import access, direct_reply, entry, limits, publish
 from core.engine.exchange import Exchange
 from core.engine.queue import Consumer, Queue, QueueChannel
 from core.engine.stream import StreamQueue
 from core.engine.vhost import server_generated_name
 from core.model import properties
 from core.model.errors import (
-    AccessRefused,
     BrokerError,
     CommandInvalid,
     NotAllowed,
@@ -245,29 +244,10 @@ class Channel:
     ) -> None:
         conn = self.conn
         conn.has_published = True
-        if summary.user_id is not None and summary.user_id != conn.username:
-            raise PreconditionFailed(
-                f"user_id property set to '{summary.user_id}' but authenticated user was '{conn.username}'"
-            )
-        if summary.expiration is not None:
-            _check_expiration(summary.expiration)
         vhost = self.vhost
         assert vhost is not None
-        if not self.grants.write.get(exchange_name or access.DEFAULT_EXCHANGE, False):
-            access.publish(self.grants, exchange_name)  # as RabbitMQ: checked before the lookup
-        exchange: Exchange | None
-        if exchange_name == "" or exchange_name == "amq.default":
-            exchange = None
-        else:
-            exchange = vhost.exchanges.get(exchange_name)
-            if exchange is None:
-                raise NotFound(f"no exchange '{exchange_name}' in vhost '{vhost.name}'")
-            if exchange.internal:
-                raise AccessRefused(
-                    f"cannot publish to internal exchange '{exchange_name}' in vhost '{vhost.name}'"
-                )
-            if exchange.type == "topic":
-                access.check_topic(self.grants, "write", exchange_name, routing_key)
+        # The entry checks every front end makes (user-id, expiration, permissions, the exchange).
+        exchange = entry.admit(vhost, self.grants, conn.username, exchange_name, routing_key, summary)
         if summary.reply_to_direct:
             props = self._direct_reply_props(props)
         message = Message(exchange_name, routing_key, props, body, summary, conn.node_id)
@@ -831,12 +811,6 @@ class Transaction:
             merged = sorted(list(channel.unacked.items()) + restored, key=lambda kv: kv[0])
             channel.unacked.clear()
             channel.unacked.update(merged)
-
-
-def _check_expiration(expiration: str) -> None:
-    """Per-message TTL must be a non-negative integer of milliseconds, as in RabbitMQ."""
-    if not expiration.isdigit():
-        raise PreconditionFailed(f"invalid expiration '{expiration}': {{error,no_integer}}")
 
 
 def _basic_ack_frame(channel: int, tag: int, multiple: bool) -> bytes:

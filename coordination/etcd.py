@@ -42,7 +42,9 @@ from coordination.etcd_client import EtcdTLS, etcd_client
 from coordination.keys import Layout, decode_args, dumps, encode_args, loads, user_value
 from coordination.placement import Candidate, place, queue_region
 from core.cluster.auth import PeerAuth
-from core.cluster.forwarding import LoadingGate, NodeService, NotOwner, Peers, QueueRemote
+from core.cluster.link import Peers
+from core.cluster.remote import LoadingGate, QueueRemote
+from core.cluster.service import NodeService
 from core.durable.durability import Durability, QueueStorage
 from core.durable.group_commit import GroupCommitter
 from core.engine import direct_reply, publish
@@ -52,7 +54,7 @@ from core.engine.ownership import Lease, Ownership, OwnershipState
 from core.engine.queue import Queue
 from core.engine.stream import StreamQueue
 from core.engine.vhost import VirtualHost, server_generated_name
-from core.model.errors import AccessRefused, BrokerError, NotFound, PreconditionFailed
+from core.model.errors import AccessRefused, BrokerError, NotFound, NotOwner, PreconditionFailed
 from core.model.message import Message, QueuedMessage
 from core.ports.coordinator import ClusterStartError
 from core.ports.store import Fenced, MessageStore, QueueRecord, StoreError
@@ -306,7 +308,7 @@ class EtcdCluster:
         # anything still in flight fail.
         while True:
             await asyncio.sleep(0.1)
-            self.lease.valid()
+            self.lease.enforce()
 
     async def _refresh_once(self, ttl: int) -> None:
         sent = time.monotonic()

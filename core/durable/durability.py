@@ -148,7 +148,8 @@ class Durability:
     async def claim_and_load(self, queues: list[Queue], node: str) -> int:
         """Own these stored queues: fence them all in one transaction (a write from a previous owner
         can no longer land), then load each backlog. Messages loaded."""
-        storages = [q.storage for q in queues if q.storage is not None]
+        # The engine holds its storage by the port (core/ports/storage.py); here it is this module's own.
+        storages = [s for q in queues if isinstance(s := q.storage, QueueStorage)]
         batch = Batch(claims=[s.key for s in storages])
         await self.store.commit(batch)  # one fsync for 50,000 queues, not one each
         for storage in storages:

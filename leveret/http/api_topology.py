@@ -11,12 +11,12 @@ from typing import TYPE_CHECKING, Any
 
 from aiohttp import web
 
-from core.engine import access, limits, publish
+from core.engine import access, entry, limits, publish
 from core.engine.exchange import Exchange
 from core.engine.queue import Queue
 from core.engine.topic import topic_matches
 from core.model import properties
-from core.model.errors import AccessRefused
+from core.model.errors import AccessRefused, PreconditionFailed
 from core.model.message import Message
 from core.model.policy import Policy
 from leveret.http import declare, listing
@@ -409,10 +409,9 @@ async def exchange_publish(call: Call) -> dict[str, Any]:
     routing_key = body.get("routing_key")
     if not isinstance(routing_key, str):
         raise bad_request("routing_key is required (a string)")
+    # The entry checks every front end makes (core/engine/entry.py), answered as RabbitMQ's API answers them.
     with _refusal("publish"):
-        access.publish(call.grants(vh), "" if x is None else x.name)
-        if x is not None and x.type == "topic":
-            access.check_topic(call.grants(vh), "write", x.name, routing_key)
+        entry.target(vh, call.grants(vh), "" if x is None else x.name, routing_key)
     payload = body.get("payload", "")
     if not isinstance(payload, str):
         raise bad_request("payload must be a string")
@@ -432,20 +431,16 @@ async def exchange_publish(call: Call) -> dict[str, Any]:
     unknown = sorted(set(props) - {name for _, name, _ in properties.FIELDS})
     if unknown:
         raise bad_request(f"unknown message properties: {', '.join(unknown)}")
-    expiration = props.get("expiration")
-    if expiration is not None and not (isinstance(expiration, (str, int)) and str(expiration).isdigit()):
-        raise bad_request(f"expiration must be a non-negative integer in a string, got {expiration!r}")
-    user_id = props.get("user_id")
-    if user_id is not None and user_id != call.user.name:
-        # As over AMQP: a publisher cannot claim another user's identity.
-        raise bad_request(f"user_id property set to '{user_id}' but authenticated user was '{call.user.name}'")
     try:
         raw = properties.encode(props)
     except (properties.PropertiesError, TypeError, ValueError) as exc:
         raise bad_request(f"properties do not encode: {exc}") from None
-    if x is not None and x.internal:
-        raise bad_request(f"cannot publish to internal exchange '{x.name}'")
-    message = Message(x.name if x else "", routing_key, raw, data, node=call.node_name)
+    summary = properties.scan(raw)
+    try:
+        entry.check_properties(summary, call.user.name)  # as over AMQP: no other user's id, a TTL in ms
+    except PreconditionFailed as exc:
+        raise bad_request(exc.text) from None
+    message = Message(x.name if x else "", routing_key, raw, data, summary, node=call.node_name)
     # The one publish path (core/engine/publish.py): answered once the message is where the
     # confirm rule says (committed for a persistent message on a durable queue, at its owner).
     outcome = publish.publish(call.broker, vh, x, message)
