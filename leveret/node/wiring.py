@@ -59,7 +59,7 @@ class Node:
             coordinator=self.local,
         )
         self.store: MessageStore | None = None
-        self.retention: RetentionService | None = None  # retention watch and schedule (leveret/node/retention_schedule.py)
+        self.retention: RetentionService | None = None  # retention watch and schedule (node/retention_schedule.py)
         self.amqp = AMQPServer(
             self.broker,
             ServerSettings(
