@@ -29,6 +29,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import functools
+import json
 import logging
 import time
 from collections.abc import Callable
@@ -39,7 +40,9 @@ import aetcd
 import grpc
 
 from coordination.etcd_client import EtcdTLS, etcd_client
+from coordination.etcd_records import EtcdRecords
 from coordination.keys import Layout, decode_args, dumps, encode_args, loads, user_value
+from coordination.metadata import StoredMetadata
 from coordination.placement import Candidate, place, queue_region
 from core.cluster.auth import PeerAuth
 from core.cluster.forwarding import LoadingGate, NodeService, NotOwner, Peers, QueueRemote
@@ -54,7 +57,9 @@ from core.engine.stream import StreamQueue
 from core.engine.vhost import VirtualHost, server_generated_name
 from core.model.errors import AccessRefused, BrokerError, NotFound, PreconditionFailed
 from core.model.message import Message, QueuedMessage
-from core.ports.coordinator import ClusterStartError
+from core.model.policy import Policy, PolicyError
+from core.model.tasks import spawn
+from core.ports.coordinator import ClusterStartError, Member
 from core.ports.store import Fenced, MessageStore, QueueRecord, StoreError
 
 log = logging.getLogger("leveret.cluster")
@@ -134,7 +139,7 @@ def _endpoint(url: str) -> tuple[str, int]:
     return host.strip("[]"), int(port)
 
 
-class EtcdCluster:
+class EtcdCluster(StoredMetadata):
     """The etcd coordinator of one node (core.ports.coordinator.Coordinator)."""
 
     def __init__(
@@ -145,12 +150,18 @@ class EtcdCluster:
         settings: ClusterSettings,
         on_event: Callable[[str, str, str, str], None] | None = None,
     ) -> None:
-        self.broker = broker
-        self.store = store
-        self.committer = committer
         self.settings = settings
-        self.node_id = settings.node_id
         self.keys = Layout(settings.cluster)
+        # Users, vhosts, policies, parameters: the store and etcd (coordination/metadata.py).
+        super().__init__(broker, store, EtcdRecords(lambda: self.client, self.keys))
+        self.messages: MessageStore = store  # the store this node's queues live in (shared by the cluster)
+        self.committer = committer
+        self.node_id = settings.node_id
+        self.on_vhost.append(self._watch_vhost)
+        # Policies and parameters as etcd has them (a resync clears what went meanwhile).
+        self._policies: set[tuple[str, bool, str]] = set()
+        self._hold_listeners: dict[str, list[Callable[[], None]]] = {}
+        self._background: set[asyncio.Task[Any]] = set()  # fire-and-forget work, held until it ends
         self.on_event = on_event
         self.mirror = Mirror()
         if settings.auth is None:
@@ -226,8 +237,7 @@ class EtcdCluster:
         self.broker.reply_to.tag = direct_reply.node_tag(self.node_id)
         self.broker.reply_to.remote = self._forward_reply
         for vh in self.broker.vhosts.values():
-            vh.on_queue_deleted.append(self._local_queue_deleted)
-            vh.on_exchange_auto_deleted.append(self._local_exchange_auto_deleted)
+            self._watch_vhost(vh)
         await self._register()
         await self._seed_defaults()
         await self._resync()
@@ -267,6 +277,10 @@ class EtcdCluster:
         for user in list(self.broker.users.values()):
             key = self.keys.user(user.name)
             await self._txn([t.create(key) == 0], [t.put(key, user_value(user))])
+        # Runtime parameters stored before the cluster had them (the store keeps them across restarts).
+        for (vhost, component, name), value in (await self.parameters()).items():
+            key = self.keys.parameter(vhost, component, name)
+            await self._txn([t.create(key) == 0], [t.put(key, json.dumps({"value": value}, sort_keys=True).encode())])
 
     async def stop(self, handover: bool = True) -> None:
         self._stopping = True
@@ -363,6 +377,7 @@ class EtcdCluster:
         log.error("stopping serving owned queues: " + reason, extra={"node": self.node_id, "queues": len(owned)})
         for vq in owned:
             self._lose(vq, None)
+        self._holds_changed(None)  # our holds went with the lease: their shovels and links stop
 
     # ================================================================ watching
     async def _watch_loop(self) -> None:
@@ -398,6 +413,8 @@ class EtcdCluster:
         seen_nodes: set[str] = set()
         seen_exchanges: set[tuple[str, str]] = set()
         seen_bindings: set[bytes] = set()
+        seen_policies: set[tuple[str, bool, str]] = set()
+        seen_parameters: set[tuple[str, str, str]] = set()
         items = sorted(snap, key=lambda kv: _order(self.keys.parse(kv.key)))
         for kv in items:
             key = self.keys.parse(kv.key)
@@ -413,6 +430,10 @@ class EtcdCluster:
                 seen_exchanges.add((key.parts[0], key.parts[1]))
             elif key.section == "bindings":
                 seen_bindings.add(kv.key)
+            elif key.section == "policies" and len(key.parts) == 3:
+                seen_policies.add((key.parts[0], key.parts[1] == "operator", key.parts[2]))
+            elif key.section == "parameters" and len(key.parts) == 3:
+                seen_parameters.add((key.parts[0], key.parts[1], key.parts[2]))
             self._apply_event("PUT", kv.key, kv.value, kv.create_revision)
         for node in list(self.mirror.nodes):
             if node not in seen_nodes:
@@ -430,6 +451,10 @@ class EtcdCluster:
             for xname, x in list(vh.exchanges.items()):
                 if not xname.startswith("amq.") and xname and (vname, xname) not in seen_exchanges:
                     self._apply(functools.partial(vh.drop_exchange, x))
+        for vhost, operator, name in self._policies - seen_policies:
+            self._policy_event(vhost, operator, name, None)
+        self.forget_parameters(seen_parameters)
+        self._holds_changed(None)  # holds may have gone while the watch was down
         self._synced.set()
 
     def _apply(self, fn: Callable[[], Any]) -> Any:
@@ -450,7 +475,7 @@ class EtcdCluster:
                 self._node_event(key.parts[0], loads(value) if put else None)
             elif s == "vhosts":
                 if put:
-                    self._vhost(key.parts[0])
+                    self.add_vhost(key.parts[0])
                     self._vhost_limits(key.parts[0], loads(value).get("limits"))
             elif s == "users":
                 if put:
@@ -465,20 +490,56 @@ class EtcdCluster:
                 self._binding_event(raw_key, key.parts, loads(value) if put else None)
             elif s == "owners":
                 self._owner_event((key.parts[0], key.parts[1]), value.decode() if put else None, create_revision)
+            elif s == "policies" and len(key.parts) == 3:
+                operator = key.parts[1] == "operator"
+                self._policy_event(key.parts[0], operator, key.parts[2], loads(value) if put else None)
+            elif s == "parameters" and len(key.parts) == 3:
+                self.deliver((key.parts[0], key.parts[1], key.parts[2]), loads(value).get("value") if put else None)
+            elif s in self._hold_listeners:
+                self._holds_changed(s)
             elif s == "drain":
                 if put and key.parts[0] == self.node_id:
-                    asyncio.get_running_loop().create_task(self._drain_requested(raw_key))
+                    spawn(self._drain_requested(raw_key), self._background)
         except Exception:  # a bad key must not stop the watch
             log.exception("cannot apply etcd event", extra={"key": raw_key.decode(errors="replace"), "kind": kind})
 
     # -- mirrored sections -------------------------------------------------------
+    def _watch_vhost(self, vh: VirtualHost) -> None:
+        """Whatever the engine drops by itself in ``vh`` (auto-delete, x-expires) goes from etcd too."""
+        vh.on_queue_deleted.append(self._local_queue_deleted)
+        vh.on_exchange_auto_deleted.append(self._local_exchange_auto_deleted)
+
     def _vhost(self, name: str) -> VirtualHost:
-        vh = self.broker.vhosts.get(name)
+        return self.add_vhost(name)
+
+    def _policy_event(self, vhost: str, operator: bool, name: str, value: dict[str, Any] | None) -> None:
+        """A policy set or cleared through some node: applied here as that node applied it."""
+        vh = self.broker.vhosts.get(vhost)
+        if value is None:
+            self._policies.discard((vhost, operator, name))
+            if vh is not None:
+                vh.clear_policy(name, operator=operator, restoring=True)
+            return
+        self._policies.add((vhost, operator, name))
         if vh is None:
-            vh = self.broker.add_vhost(name)
-            vh.on_queue_deleted.append(self._local_queue_deleted)
-            vh.on_exchange_auto_deleted.append(self._local_exchange_auto_deleted)
-        return vh
+            return  # applied when the vhost comes (its policies are restored from the store)
+        try:
+            policy = Policy.create(vhost, name, str(value.get("pattern", "")), value.get("definition") or {},
+                                   str(value.get("apply_to", "all")), int(value.get("priority", 0)), operator)
+        except (PolicyError, TypeError, ValueError) as exc:
+            log.warning("ignoring malformed policy record in etcd", extra={"vhost": vhost, "policy": name,
+                                                                           "error": str(exc)})
+            return
+        current = (vh.operator_policies if operator else vh.policies).get(name)
+        if current != policy:
+            vh.set_policy(policy, restoring=True)
+
+    def _holds_changed(self, kind: str | None) -> None:
+        """Holds of ``kind`` (None: every kind) may have moved: their managers look again."""
+        for k, listeners in self._hold_listeners.items():
+            if kind is None or k == kind:
+                for listener in list(listeners):
+                    listener()
 
     def _vhost_limits(self, name: str, limits: Any) -> None:
         """RabbitMQ's vhost limits, carried by the vhost's record (leveret/http/metadata.py)."""
@@ -554,7 +615,7 @@ class EtcdCluster:
                 q.guard(None)
                 if q.detach_storage() is not None:
                     # The owner removes the stored messages, in order with its other writes.
-                    self.committer.run(lambda: self.store.delete_queue(vhost, name))
+                    self.committer.run(lambda: self.messages.delete_queue(vhost, name))
                 self._apply(functools.partial(vh.drop_queue, q))
                 self._emit("queue-deleted", self.node_id, vhost, name)
             return
@@ -621,7 +682,7 @@ class EtcdCluster:
                 self._elect(vq)
             else:
                 # Transient and exclusive queues die with their node (as in RabbitMQ).
-                asyncio.get_running_loop().create_task(self._delete_dead_queue(vq))
+                spawn(self._delete_dead_queue(vq), self._background)
             return
         self.mirror.owners[vq] = (node, epoch)
         self.mirror.orphaned_since.pop(vq, None)
@@ -678,11 +739,11 @@ class EtcdCluster:
             loaded = 0
             if q.durable and not q.exclusive:
                 # Fence first, then load: a write from a previous owner can no longer land.
-                await self.store.claim(vq[0], vq[1], epoch)
+                await self.messages.claim(vq[0], vq[1], epoch)
                 own.fence(vq)
                 # The store describes what it holds (the retention job reads each queue's
                 # arguments there); the declarations themselves live in etcd.
-                await self.store.save_queue(QueueRecord(vq[0], vq[1], q.auto_delete, q.arguments))
+                await self.messages.save_queue(QueueRecord(vq[0], vq[1], q.auto_delete, q.arguments))
                 q.reset_ready()
                 q.attach_storage(QueueStorage(vq[0], vq[1], self.committer, epoch))
                 own.load(vq)
@@ -827,7 +888,7 @@ class EtcdCluster:
         if chosen is None:
             return
         if anyone or chosen.id == self.node_id:
-            asyncio.get_running_loop().create_task(self._acquire(vq, self.node_id, self.lease_id))
+            spawn(self._acquire(vq, self.node_id, self.lease_id), self._background)
 
     async def _acquire(self, vq: tuple[str, str], node: str, lease: int) -> bool:
         t = self.client.transactions
@@ -911,11 +972,45 @@ class EtcdCluster:
             else:
                 await asyncio.sleep(0.01)
 
-    def members(self) -> list[dict[str, Any]]:
-        """The live nodes as etcd has them, in id order: id, region, grpc, amqp, queues owned, draining."""
+    def members(self) -> list[Member]:
+        """The live nodes as etcd has them, in id order (queues: the owner keys each holds now)."""
         counts = self._owned_counts()
-        return [{"id": n.id, "region": n.region, "grpc": n.grpc, "amqp": n.amqp, "queues": counts.get(n.id, 0),
-                 "draining": n.draining} for _, n in sorted(self.mirror.nodes.items())]
+        return [Member(n.id, n.region, n.amqp, n.grpc, counts.get(n.id, 0), n.draining, n.started)
+                for _, n in sorted(self.mirror.nodes.items())]
+
+    def owner_counts(self) -> dict[str, int]:
+        return self._owned_counts()
+
+    # ============================================================ named holds
+    # A shovel or a federation link runs on exactly one node: the holder of the key
+    # /leveret/<cluster>/<kind>/<vhost>/<name>, put on its lease by a transaction that
+    # succeeds only while the key does not exist, as queue owners are elected. When the
+    # node dies its lease expires, etcd deletes the key, the watch tells every node
+    # (on_holds_changed) and the first to ask takes it.
+    async def hold(self, kind: str, vhost: str, name: str) -> bool:
+        if self.lease.lost or not self.lease_id:
+            return False
+        t = self.client.transactions
+        key = self.keys.hold(kind, vhost, name)
+        ok, _ = await self._txn([t.create(key) == 0], [t.put(key, self.node_id.encode(), lease=self.lease_id)])
+        if ok:
+            log.info(f"{kind} assigned", extra={"vhost": vhost, kind: name, "node": self.node_id})
+        return bool(ok)
+
+    async def holder(self, kind: str, vhost: str, name: str) -> str | None:
+        kv = await asyncio.wait_for(self.client.get(self.keys.hold(kind, vhost, name)), OP_TIMEOUT)
+        return kv.value.decode() if kv is not None else None
+
+    async def holding(self, kind: str, vhost: str, name: str) -> bool:
+        return not self.lease.lost and await self.holder(kind, vhost, name) == self.node_id
+
+    async def release(self, kind: str, vhost: str, name: str) -> None:
+        t = self.client.transactions
+        key = self.keys.hold(kind, vhost, name)
+        await self._txn([t.value(key) == self.node_id.encode()], [t.delete(key)])
+
+    def on_holds_changed(self, kind: str, listener: Callable[[], None]) -> None:
+        self._hold_listeners.setdefault(kind, []).append(listener)
 
     # ================================================================= peers
     def _cluster_address(self, node: str) -> str | None:
@@ -933,7 +1028,7 @@ class EtcdCluster:
         info = self.mirror.nodes.get(node)
         if info is None or self._stopping:
             return
-        asyncio.get_running_loop().create_task(self._probe_peer(info))
+        spawn(self._probe_peer(info), self._background)
 
     async def _probe_peer(self, info: NodeInfo) -> None:
         host, _, port = (self._dial_address(info) or info.grpc).rpartition(":")
@@ -1151,7 +1246,7 @@ class EtcdCluster:
         if owner_entry is None and q.durable:
             # Nobody serves it: remove its stored messages here.
             with contextlib.suppress(StoreError):
-                await self.store.delete_queue(*vq)
+                await self.messages.delete_queue(*vq)
         self._queue_event(vhost.name, name, None)
         return messages
 
@@ -1171,7 +1266,7 @@ class EtcdCluster:
                 await self._txn([], [t.delete(self.keys.queue(*vq)), t.delete(self.keys.owner(*vq))])
                 await self._delete_bindings_to(vq[0], "queue", vq[1])
 
-        asyncio.get_running_loop().create_task(remove())
+        spawn(remove(), self._background)
 
     def _local_exchange_auto_deleted(self, vh: VirtualHost, x: Exchange) -> None:
         """An auto-delete exchange lost its last binding here: remove it from etcd too.
@@ -1196,7 +1291,7 @@ class EtcdCluster:
                 if ok:
                     await self._delete_bindings_to(vhost, "exchange", name)
 
-        asyncio.get_running_loop().create_task(remove())
+        spawn(remove(), self._background)
 
     async def _delete_bindings_from(self, vhost: str, source: str) -> None:
         with contextlib.suppress(Exception):
@@ -1294,11 +1389,11 @@ def _first_value(responses: Any) -> dict[str, Any] | None:
 
 
 _SECTION_ORDER = {"nodes": 0, "vhosts": 1, "users": 2, "exchanges": 3, "queues": 4, "owners": 5, "bindings": 6,
-                  "drain": 7}
+                  "policies": 7, "parameters": 8, "drain": 9}
 
 
 def _order(key: Any) -> int:
-    return _SECTION_ORDER.get(key.section, 9) if key is not None else 10
+    return _SECTION_ORDER.get(key.section, 10) if key is not None else 11
 
 
 def _client_local(arguments: dict[str, Any]) -> bool:

@@ -25,21 +25,25 @@ when deleted.
 
 from __future__ import annotations
 
-from collections.abc import Awaitable, Iterable
+import time
+from collections.abc import Awaitable, Callable, Iterable
 from typing import TYPE_CHECKING, Any, TypeVar
 
+from coordination.metadata import StoredMetadata
 from core.durable.durability import binding_is_stored, is_stored
 from core.engine.exchange import Exchange
 from core.engine.ownership import Lease, Ownership
 from core.engine.queue import Queue
 from core.model.errors import InternalError
-from core.ports.coordinator import Immediate
+from core.ports.coordinator import Immediate, Member
 from core.ports.store import StoreError
 
 if TYPE_CHECKING:
     from core.durable.durability import Durability
+    from core.engine.broker import Broker
     from core.engine.vhost import VirtualHost
     from core.model.message import QueuedMessage
+    from core.ports.store import MessageStore
 
 T = TypeVar("T")
 
@@ -48,11 +52,23 @@ class StoreUnavailable(InternalError):
     """A durable change could not be stored now: it is refused (541), never answered as stored."""
 
 
-class LocalCoordinator:
-    """core.ports.coordinator.Coordinator for one node with no etcd."""
+class LocalCoordinator(StoredMetadata):
+    """core.ports.coordinator.Coordinator for one node with no etcd.
 
-    def __init__(self, node_id: str = "leveret") -> None:
+    Its metadata side (users, vhosts, policies, parameters: coordination/metadata.py) writes the
+    store and delivers this node's own parameter changes; every hold is this node's; it is the
+    only member and owns every queue.
+    """
+
+    def __init__(self, node_id: str = "leveret", broker: Broker | None = None,
+                 store: MessageStore | None = None) -> None:
+        super().__init__(broker, store)
         self.node_id = node_id
+        self.region = ""  # what members() says of this node (the node sets them)
+        self.amqp = ""
+        self.grpc = ""
+        self.started = time.time()
+        self.draining = False
         # Stored queues only: a transient queue has no epoch to fence and nothing to load.
         self.ownership = Ownership(Lease.forever())
         self._watched: set[int] = set()  # vhosts whose deletions forget ownership (id of the vhost)
@@ -168,3 +184,29 @@ class LocalCoordinator:
     async def _get_paged(self, queue: Queue, no_ack: bool) -> tuple[QueuedMessage | None, int]:
         qm = await queue.default.get_loaded(no_ack)
         return qm, len(queue.default.ready)
+
+    # -- holds: one node holds everything -------------------------------------------------
+    async def hold(self, kind: str, vhost: str, name: str) -> bool:
+        return True
+
+    async def holding(self, kind: str, vhost: str, name: str) -> bool:
+        return True
+
+    async def release(self, kind: str, vhost: str, name: str) -> None:
+        return None
+
+    async def holder(self, kind: str, vhost: str, name: str) -> str | None:
+        return self.node_id
+
+    def on_holds_changed(self, kind: str, listener: Callable[[], None]) -> None:
+        return None  # nothing ever moves away from the only node
+
+    # -- members --------------------------------------------------------------------------
+    def owner_counts(self) -> dict[str, int]:
+        """This node owns every queue (transient ones too, as a cluster's owner keys count them)."""
+        broker = self._broker
+        return {self.node_id: sum(len(vh.queues) for vh in broker.vhosts.values()) if broker is not None else 0}
+
+    def members(self) -> list[Member]:
+        return [Member(self.node_id, self.region, self.amqp, self.grpc, self.owner_counts()[self.node_id],
+                       self.draining, self.started)]

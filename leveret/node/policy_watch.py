@@ -1,8 +1,10 @@
-"""Policies written to the store by someone else, applied to this node's live queues within a second.
+"""Policies written straight to the store with no node involved, applied to this node's live queues.
 
-Who writes policies without going through this node's vhosts: another node of
-the cluster (they share Postgres), and ``leveret retention policy set`` (which
-writes the store directly). This task reads the store's policies every
+A policy set through any node goes through the coordinator, which applies it
+on every node of a cluster from the etcd watch (coordination/metadata.py).
+What no coordinator sees are the commands that write the store with no node
+running or asked: ``leveret policies`` and ``leveret retention policy set``.
+For those (and only those) this task reads the store's policies every
 ``poll`` seconds and applies what changed *between two reads of the store*,
 not the difference between the store and memory: a policy this node set a
 moment ago and whose write is still in the group committer's queue is then
