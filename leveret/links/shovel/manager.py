@@ -34,6 +34,9 @@ log = logging.getLogger("leveret.shovel")
 
 Key = tuple[str, str, str]  # (vhost, component, name)
 HOLD = "shovels"  # the kind of the coordinator's named hold of a shovel
+# A change another node made is acted on this much later: the node it was made through starts
+# the shovel (or link) at once and so normally holds it, as an operator who defined it there expects.
+OTHERS_DELAY = 0.5
 
 
 class ParameterListener(Protocol):
@@ -65,6 +68,7 @@ class ShovelManager:
         self.running: dict[tuple[str, str], ShovelRunner] = {}  # those this node runs
         self._lock = asyncio.Lock()  # one reconcile at a time (changes delivered and API calls)
         self._stopped = False
+        self._mine: set[Key] = set()  # parameters being set or cleared through this node right now
         self.listeners: list[ParameterListener] = []
 
     # -- lifecycle -------------------------------------------------------------------
@@ -104,28 +108,41 @@ class ShovelManager:
     async def set_parameter(self, vhost: str, component: str, name: str, value: Any) -> None:
         """Validated, stored (StoreError: not stored, not applied), applied here before it returns."""
         self.validate(vhost, component, name, value)
-        await self.coordinator.set_parameter(vhost, component, name, value)  # delivered here: _delivered
+        key = (vhost, component, name)
+        self._mine.add(key)
+        try:
+            await self.coordinator.set_parameter(vhost, component, name, value)  # delivered here: _delivered
+        finally:
+            self._mine.discard(key)
         await self._settle(component)
 
     async def clear_parameter(self, vhost: str, component: str, name: str) -> bool:
         vh = self.broker.vhosts.get(vhost)
         existed = vh is not None and (component, name) in vh.parameters
-        await self.coordinator.clear_parameter(vhost, component, name)
+        key = (vhost, component, name)
+        self._mine.add(key)
+        try:
+            await self.coordinator.clear_parameter(vhost, component, name)
+        finally:
+            self._mine.discard(key)
         await self._settle(component)
         return existed
 
     def _delivered(self, vhost: str, component: str, name: str, value: Any) -> None:
         """The coordinator's delivery of a parameter change (another node's, or this node's own)."""
-        self._apply((vhost, component, name), value)
-        if not self._stopped:
-            spawn(self._settle(component), self._background)
+        key = (vhost, component, name)
+        self._apply(key, value)
+        if key not in self._mine and not self._stopped:  # this node's own: set_parameter settles it
+            spawn(self._settle(component, OTHERS_DELAY), self._background)
 
     def _holds_moved(self) -> None:
         if not self._stopped:
             spawn(self._reconcile_now(), self._background)
 
-    async def _settle(self, component: str) -> None:
+    async def _settle(self, component: str, delay: float = 0.0) -> None:
         """After a change of ``component``: shovels started or stopped, listeners told."""
+        if delay:
+            await asyncio.sleep(delay)
         if component == COMPONENT:
             await self._reconcile_now()
         await self._changed(component)
