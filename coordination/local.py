@@ -16,10 +16,11 @@ the vhost holds the change already.
 Ownership is trivial: one node owns every queue, under a lease that never
 ends. It is recorded in the engine's ownership state machine all the same
 (core/engine/ownership.py, shared with etcd's coordinator): at start
-``take_over_stored_queues`` fences every stored queue in one store transaction
-(epoch + 1, DESIGN.md's take-over steps 1-2 with the store as the only judge),
-loads each backlog, and only then moves each queue through take over, fence,
-load to serve; a queue declared later is claimed as it is made, and forgotten
+``take_over_stored_queues`` runs the take-over both coordinators share
+(core/durable/takeover.py): it fences every stored queue in one store
+transaction (epoch + 1, the store as the only judge), attaches storage, loads
+each backlog, moving each queue through take over, fence and load, and only
+then serves; a queue declared later is claimed as it is made, and forgotten
 when deleted.
 """
 
@@ -31,6 +32,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 
 from coordination.metadata import StoredMetadata
 from core.durable.durability import binding_is_stored, is_stored
+from core.durable.takeover import fence_and_load, serve
 from core.engine.exchange import Exchange
 from core.engine.ownership import Lease, Ownership
 from core.engine.queue import Queue
@@ -76,12 +78,14 @@ class LocalCoordinator(StoredMetadata):
     # -- ownership ---------------------------------------------------------------------
     async def take_over_stored_queues(self, durability: Durability, queues: list[Queue],
                                       vhosts: Iterable[VirtualHost] = ()) -> int:
-        """Own every queue restored from the store: fence them (epoch + 1), then load their backlogs."""
-        messages = await durability.claim_and_load(queues, self.node_id)
+        """Own every queue restored from the store: fence them all (epoch + 1, one transaction), attach
+        their storage, load their backlogs, serve them (core/durable/takeover.py, as a cluster does)."""
         for vhost in vhosts:
             self._watch(vhost)
-        for q in queues:
-            self._claim(q)
+        stored = [q for q in queues if q.storage is not None]
+        messages = await fence_and_load(stored, durability.fence, durability, self.node_id, self.ownership)
+        for q in stored:
+            serve(q, self.ownership, durability.committer)
         return messages
 
     def _claim(self, q: Queue) -> None:

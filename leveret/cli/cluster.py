@@ -40,8 +40,8 @@ def _settings(args: argparse.Namespace) -> tuple[list[str], str]:
 
 
 async def _client(endpoints: list[str]) -> Any:
-    from coordination.etcd import _endpoint
     from coordination.etcd_client import EtcdTLS, etcd_client
+    from coordination.etcd_session import endpoint
     from leveret.node.config import load
 
     # etcd's TLS files and login, as a node reads them (LEVERET_ETCD_* or the LEVERET_CONFIG file).
@@ -49,7 +49,7 @@ async def _client(endpoints: list[str]) -> Any:
     tls = EtcdTLS.from_files(cfg.etcd_cacert, cfg.etcd_cert, cfg.etcd_key)
     errors = []
     for url in endpoints:
-        host, port = _endpoint(url)
+        host, port = endpoint(url)
         client = etcd_client(host, port, 5, tls, cfg.etcd_user, cfg.etcd_password)
         try:
             await asyncio.wait_for(client.status(), 5)
