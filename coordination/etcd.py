@@ -55,6 +55,8 @@ from core.engine.ownership import Lease, Ownership
 from core.engine.queue import Queue
 from core.engine.vhost import VirtualHost
 from core.model.message import QueuedMessage
+from core.model.policy import Policy
+from core.model.tasks import spawn
 from core.ports.coordinator import ClusterStartError, Member
 from core.ports.store import MessageStore
 
@@ -80,7 +82,8 @@ class EtcdCluster(StoredMetadata):
         self.keys = Layout(settings.cluster)
         self.session = EtcdSession(settings, self.keys, self.node_value, self._rejoined)
         # Users, vhosts, policies, parameters: the store and etcd (coordination/metadata.py).
-        super().__init__(broker, store, EtcdRecords(lambda: self.session.client, self.keys))
+        self.records = EtcdRecords(lambda: self.session.client, self.keys)
+        super().__init__(broker, store, self.records)
         self.messages: MessageStore = store  # the store this node's queues live in (shared by the cluster)
         self.committer = committer
         self.durability = Durability(store, committer)
@@ -173,6 +176,23 @@ class EtcdCluster(StoredMetadata):
         self.takeover.cancel_all()
         await self.peers.close()
         await self.session.close(revoke=True)
+
+    def policy_stored(self, key: tuple[str, bool, str], policy: Policy | None) -> None:
+        """A policy written straight to the store (``leveret policies``; leveret/node/policy_watch.py saw it):
+        etcd's copy follows, so a node that restarts applies what the store says."""
+        vhost, operator, name = key
+
+        async def follow() -> None:
+            try:
+                if policy is None:
+                    await self.records.delete_policy(vhost, name, operator)
+                else:
+                    await self.records.put_policy(policy)
+            except Exception as exc:  # noqa: BLE001  every node does the same: one of them gets through
+                log.warning("could not copy a stored policy change to etcd", extra={
+                    "vhost": vhost, "policy": name, "error": f"{type(exc).__name__}: {exc}"})
+
+        spawn(follow(), self.background)
 
     def emit(self, kind: str, node: str, vhost: str = "", queue: str = "") -> None:
         if self.on_event is not None:

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from collections.abc import Callable
 
 from core.engine.broker import Broker
 from core.model.policy import Policy
@@ -35,9 +36,13 @@ class PolicyWatch:
         self.applied = 0  # changes taken from the store (for tests and logs)
         self._seen: dict[Key, Policy] = {}
         self._task: asyncio.Task[None] | None = None
+        # Told of each change seen in the store (None: removed): in a cluster the coordinator brings
+        # etcd's copy in line, so a node that restarts does not bring back a policy cleared here.
+        self.on_store_change: list[Callable[[Key, Policy | None], None]] = []
+        self._stored: dict[Key, Policy] = {}  # the last read of the store, whatever was applied of it
 
     async def start(self) -> None:
-        self._seen = await self._read()  # what start-up restored already
+        self._seen = self._stored = await self._read()  # what start-up restored already
         self._task = asyncio.create_task(self._run())
 
     async def stop(self) -> None:
@@ -52,8 +57,10 @@ class PolicyWatch:
                 self.apply_changes(current)
 
     def apply_changes(self, current: dict[Key, Policy]) -> None:
-        seen = self._seen
-        for key, policy in current.items():
+        seen, stored = self._seen, current
+        for key, policy in stored.items():
+            if self._stored.get(key) != policy:
+                self._tell(key, policy)
             if seen.get(key) == policy:
                 continue
             vh = self.broker.vhosts.get(policy.vhost)
@@ -62,9 +69,15 @@ class PolicyWatch:
                 continue
             vh.set_policy(policy, restoring=True)
             self.applied += 1
+        for key in self._stored.keys() - stored.keys():
+            self._tell(key, None)
         for key in seen.keys() - current.keys():
             vhost, operator, name = key
             vh = self.broker.vhosts.get(vhost)
             if vh is not None and vh.clear_policy(name, operator, restoring=True):
                 self.applied += 1
-        self._seen = current
+        self._seen, self._stored = current, stored
+
+    def _tell(self, key: Key, policy: Policy | None) -> None:
+        for listener in list(self.on_store_change):
+            listener(key, policy)

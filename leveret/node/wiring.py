@@ -269,6 +269,8 @@ class Node:
             await self.grpc.start(self.config.bind, self.config.grpc_port, self._grpc_credentials())
             await self.cluster.start()
             self.broker.coordinator = self.cluster
+            if self.policy_watch is not None:
+                self.policy_watch.on_store_change.append(self.cluster.policy_stored)
             await self._start_amqp()
         else:
             await self._start_amqp()
