@@ -22,7 +22,7 @@ from core.engine.ownership import OwnershipState
 from core.engine.queue import Queue
 
 if TYPE_CHECKING:
-    from coordination.etcd import EtcdCluster
+    from coordination.etcd import EtcdCoordinator
 
 log = logging.getLogger("leveret.cluster")
 
@@ -30,7 +30,7 @@ VQ = tuple[str, str]
 
 
 class Drain:
-    def __init__(self, cluster: EtcdCluster) -> None:
+    def __init__(self, cluster: EtcdCoordinator) -> None:
         self.c = cluster
 
     async def requested(self, raw_key: bytes) -> None:

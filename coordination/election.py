@@ -24,7 +24,7 @@ from coordination.placement import Candidate, place, queue_region
 from core.model.tasks import spawn
 
 if TYPE_CHECKING:
-    from coordination.etcd import EtcdCluster
+    from coordination.etcd import EtcdCoordinator
 
 log = logging.getLogger("leveret.cluster")
 
@@ -32,7 +32,7 @@ VQ = tuple[str, str]
 
 
 class Election:
-    def __init__(self, cluster: EtcdCluster) -> None:
+    def __init__(self, cluster: EtcdCoordinator) -> None:
         self.c = cluster
 
     def owned_counts(self) -> dict[str, int]:

@@ -60,12 +60,12 @@ from core.model.tasks import spawn
 from core.ports.coordinator import ClusterStartError, Member
 from core.ports.store import MessageStore
 
-__all__ = ["ClusterSettings", "ClusterUnavailable", "EtcdCluster", "NodeInfo", "RemoteOwner", "endpoint"]
+__all__ = ["ClusterSettings", "ClusterUnavailable", "EtcdCoordinator", "NodeInfo", "RemoteOwner", "endpoint"]
 
 log = logging.getLogger("leveret.cluster")
 
 
-class EtcdCluster(StoredMetadata):
+class EtcdCoordinator(StoredMetadata):
     """The etcd coordinator of one node (core.ports.coordinator.Coordinator)."""
 
     def __init__(

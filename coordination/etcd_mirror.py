@@ -32,7 +32,7 @@ from core.model.policy import Policy, PolicyError
 from core.model.tasks import spawn
 
 if TYPE_CHECKING:
-    from coordination.etcd import EtcdCluster
+    from coordination.etcd import EtcdCoordinator
 
 log = logging.getLogger("leveret.cluster")
 
@@ -71,7 +71,7 @@ class NodeInfo:
 class Mirror:
     """The cluster's keys as this node last saw them, and the watch that keeps them."""
 
-    def __init__(self, cluster: EtcdCluster) -> None:
+    def __init__(self, cluster: EtcdCoordinator) -> None:
         self.c = cluster
         self.nodes: dict[str, NodeInfo] = {}
         self.queues: dict[VQ, dict[str, Any]] = {}

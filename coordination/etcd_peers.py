@@ -23,13 +23,13 @@ from core.model.message import Message
 from core.model.tasks import spawn
 
 if TYPE_CHECKING:
-    from coordination.etcd import EtcdCluster
+    from coordination.etcd import EtcdCoordinator
 
 log = logging.getLogger("leveret.cluster")
 
 
 class PeerWatch:
-    def __init__(self, cluster: EtcdCluster) -> None:
+    def __init__(self, cluster: EtcdCoordinator) -> None:
         self.c = cluster
 
     def cluster_address(self, node: str) -> str | None:

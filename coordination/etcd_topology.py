@@ -33,11 +33,11 @@ from core.model.tasks import spawn
 from core.ports.store import StoreError
 
 if TYPE_CHECKING:
-    from coordination.etcd import EtcdCluster
+    from coordination.etcd import EtcdCoordinator
 
 
 class EtcdTopology:
-    def __init__(self, cluster: EtcdCluster) -> None:
+    def __init__(self, cluster: EtcdCoordinator) -> None:
         self.c = cluster
 
     async def declare_exchange(

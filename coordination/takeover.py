@@ -30,7 +30,7 @@ from core.engine.stream import StreamQueue
 from core.ports.store import Fenced, QueueRecord, StoreError
 
 if TYPE_CHECKING:
-    from coordination.etcd import EtcdCluster
+    from coordination.etcd import EtcdCoordinator
 
 log = logging.getLogger("leveret.cluster")
 
@@ -42,7 +42,7 @@ OWNED_GRACE = 0.5
 
 
 class TakeOver:
-    def __init__(self, cluster: EtcdCluster) -> None:
+    def __init__(self, cluster: EtcdCoordinator) -> None:
         self.c = cluster
         # The take-over in progress of each queue (TAKING_OVER .. LOADING).
         self.taking: dict[VQ, asyncio.Task[None]] = {}

@@ -18,7 +18,7 @@ from typing import Any
 
 import pytest
 
-from coordination.etcd import ClusterSettings, EtcdCluster
+from coordination.etcd import ClusterSettings, EtcdCoordinator
 from core.cluster.auth import PeerAuth
 from core.durable.group_commit import GroupCommitter
 from core.engine.broker import Broker, Permission, User
@@ -34,7 +34,7 @@ APPLIED_WITHIN = 10.0  # a watch event takes milliseconds; the machine is shared
 class Member:
     broker: Broker
     store: SQLiteStore
-    cluster: EtcdCluster
+    cluster: EtcdCoordinator
 
 
 async def _member(etcd: EtcdServer, path: Path, node: str, cluster: str) -> Member:
@@ -45,7 +45,7 @@ async def _member(etcd: EtcdServer, path: Path, node: str, cluster: str) -> Memb
     broker.committer = committer
     settings = ClusterSettings(endpoints=[etcd.url], cluster=cluster, node_id=node, region="r1",
                                auth=PeerAuth(secret=b"s" * 32))
-    coordinator = EtcdCluster(broker, store, committer, settings)
+    coordinator = EtcdCoordinator(broker, store, committer, settings)
     broker.coordinator = coordinator
     await coordinator.start()
     return Member(broker, store, coordinator)

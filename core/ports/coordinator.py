@@ -7,7 +7,7 @@ path, not two"). Two implementations:
 - ``coordination.local.LocalCoordinator`` (a single node): applies the change
   to the local vhost at once; a durable one is answered once its topology
   write has committed in the store (group commit).
-- ``coordination.etcd.EtcdCluster`` (a cluster): agrees the change in etcd
+- ``coordination.etcd.EtcdCoordinator`` (a cluster): agrees the change in etcd
   first (so it races safely across nodes), then applies it to the local
   routing table; operations on a queue another node owns go to its owner.
 

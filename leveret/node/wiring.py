@@ -38,7 +38,7 @@ from leveret.node.tls import ServerTLS, TLSFiles
 if TYPE_CHECKING:
     import grpc
 
-    from coordination.etcd import EtcdCluster
+    from coordination.etcd import EtcdCoordinator
     from core.cluster.auth import PeerAuth
     from core.cluster.forwarding import Peers
     from core.engine.broker import User
@@ -78,7 +78,7 @@ class Node:
         )
         self.grpc = GRPCServer(self.broker, config.max_message_size)
         self.grpc.servicer.region = config.region
-        self.cluster: EtcdCluster | None = None
+        self.etcd: EtcdCoordinator | None = None
         self.cluster_server: ClusterServer | None = None
         # AMQPS (and gRPC with --grpc-tls): one context, reloaded on SIGHUP for new connections.
         self.tls: ServerTLS | None = None
@@ -155,12 +155,12 @@ class Node:
     @property
     def peers(self) -> Peers | None:
         """The links to the other nodes (forwarding metrics); None on a single node."""
-        return self.cluster.peers if self.cluster is not None else None
+        return self.etcd.peers if self.etcd is not None else None
 
     @property
     def lease(self) -> Lease | None:
         """This node's etcd lease once granted (its age is a metric); None on a single node."""
-        return self.cluster.lease if self.cluster is not None and self.cluster.lease_id else None
+        return self.etcd.lease if self.etcd is not None and self.etcd.lease_id else None
 
     def _make_store(self) -> MessageStore:
         return make_store(self.config)
@@ -202,8 +202,8 @@ class Node:
             host = "127.0.0.1"
         return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
 
-    def _make_cluster(self) -> EtcdCluster:
-        from coordination.etcd import ClusterSettings, EtcdCluster
+    def _make_etcd(self) -> EtcdCoordinator:
+        from coordination.etcd import ClusterSettings, EtcdCoordinator
         from coordination.etcd_client import EtcdTLS
         from core.ports.coordinator import ClusterStartError
         from leveret.node.cluster_server import ClusterServer
@@ -224,7 +224,7 @@ class Node:
             auth=auth, etcd_tls=etcd_tls,
             etcd_user=cfg.etcd_user, etcd_password=cfg.etcd_password,
         )
-        cluster = EtcdCluster(self.broker, self.store, self.broker.committer, settings,
+        cluster = EtcdCoordinator(self.broker, self.store, self.broker.committer, settings,
                               on_event=self.grpc.servicer.cluster_event)
         self.grpc.servicer.members = lambda: [m.as_dict() for m in cluster.members()]
         self.cluster_server = ClusterServer(cluster.service, auth)
@@ -232,8 +232,8 @@ class Node:
         return cluster
 
     def _fenced(self, queues: list[tuple[str, str]]) -> None:
-        if self.cluster is not None:
-            self.cluster.fenced(queues)
+        if self.etcd is not None:
+            self.etcd.fenced(queues)
             return
         for vhost, name in queues:
             vh = self.broker.vhosts.get(vhost)
@@ -263,14 +263,14 @@ class Node:
         if self.config.etcd:
             # Peers reach us over gRPC as soon as we register, and clients
             # must not be served before the cluster's metadata is mirrored.
-            self.cluster = self._make_cluster()
+            self.etcd = self._make_etcd()
             assert self.cluster_server is not None
             await self.cluster_server.start(self.config.bind, self.config.cluster_port)
             await self.grpc.start(self.config.bind, self.config.grpc_port, self._grpc_credentials())
-            await self.cluster.start()
-            self.broker.coordinator = self.cluster
+            await self.etcd.start()
+            self.broker.coordinator = self.etcd
             if self.policy_watch is not None:
-                self.policy_watch.on_store_change.append(self.cluster.policy_stored)
+                self.policy_watch.on_store_change.append(self.etcd.policy_stored)
             await self._start_amqp()
         else:
             await self._start_amqp()
@@ -300,7 +300,7 @@ class Node:
         self.shovels = ShovelManager(self.broker, coordinator, node, self.amqp.port)
         # RabbitMQ's default cluster name is its first node's name; a cluster here has its own name.
         self.federation = FederationManager(self.broker, coordinator, node, self.amqp.port,
-                                            self.config.cluster if self.cluster is not None else node,
+                                            self.config.cluster if self.etcd is not None else node,
                                             self._advertise_cluster_name)
         self.shovels.listeners.append(self.federation)
         await self.shovels.start()
@@ -404,9 +404,9 @@ class Node:
             await self.federation.stop()
         if self.shovels is not None:
             await self.shovels.stop()
-        if self.cluster is not None:
+        if self.etcd is not None:
             # Hand our queues to the other nodes first, while we still serve them.
-            await self.cluster.stop(handover=True)
+            await self.etcd.stop(handover=True)
         await self.grpc.stop()
         if self.cluster_server is not None:
             await self.cluster_server.stop()
