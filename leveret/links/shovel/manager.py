@@ -143,6 +143,8 @@ class ShovelManager:
         """After a change of ``component``: shovels started or stopped, listeners told."""
         if delay:
             await asyncio.sleep(delay)
+            if self._stopped:
+                return  # the node stops: nothing starts any more (federation has stopped already)
         if component == COMPONENT:
             await self._reconcile_now()
         await self._changed(component)
