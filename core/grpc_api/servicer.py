@@ -407,7 +407,7 @@ class BrokerServicer(pb_grpc.BrokerServicer):
                 arguments["x-max-length"] = request.max_length
             if request.message_ttl_ms:
                 arguments["x-message-ttl"] = request.message_ttl_ms
-            q = await self.broker.cluster.declare_queue(vh, request.name, GRPC_OWNER, request.durable, False,
+            q = await self.broker.coordinator.declare_queue(vh, request.name, GRPC_OWNER, request.durable, False,
                                                         request.auto_delete, arguments)
             return self._queue_info(q)
         raise AssertionError("unreachable")
@@ -417,7 +417,7 @@ class BrokerServicer(pb_grpc.BrokerServicer):
             user, vh = self.login(context)
             access.check(self.grants(user, vh), "configure", "queue", request.name)
             self._queue(vh, request.name)  # NOT_FOUND for a missing queue, unlike AMQP
-            n = await self.broker.cluster.delete_queue(vh, request.name, GRPC_OWNER, request.if_unused,
+            n = await self.broker.coordinator.delete_queue(vh, request.name, GRPC_OWNER, request.if_unused,
                                                        request.if_empty)
             return pb.DeleteQueueResponse(messages_dropped=n)
         raise AssertionError("unreachable")

@@ -218,7 +218,7 @@ class StreamsServicer(pb_grpc.StreamsServicer):
             if exists and not request.exist_ok:
                 raise ApiError(grpc.StatusCode.ALREADY_EXISTS, f"'{name}' already exists in vhost '{vh.name}'")
             arguments = partition.stream_arguments(request.max_age or None, request.max_bytes or None)
-            coordinator = self.api.broker.cluster
+            coordinator = self.api.broker.coordinator
             if request.partitions:
                 await partition.declare(coordinator, vh, name, request.partitions, arguments)
             else:
@@ -238,7 +238,7 @@ class StreamsServicer(pb_grpc.StreamsServicer):
             user, vh = self.api.login(context)
             kind = "exchange" if partition.exchange_of(vh, request.name) is not None else "queue"
             access.check(self.api.grants(user, vh), "configure", kind, request.name)
-            dropped = await partition.remove(self.api.broker.cluster, vh, request.name)
+            dropped = await partition.remove(self.api.broker.coordinator, vh, request.name)
             return pb.DeleteStreamResponse(messages_dropped=dropped)
         raise AssertionError("unreachable")
 

@@ -101,16 +101,16 @@ async def owner_counts(call: Call, queues: list[Queue]) -> dict[int, tuple[int, 
     Asked concurrently (at most OWNER_COUNTS_CONCURRENCY at a time); a queue
     whose owner does not answer within OWNER_COUNTS_TIMEOUT keeps this node's view.
     """
-    cluster = call.broker.cluster
-    remote = [q for q in queues if q.remote is not None]
-    if cluster is None or not remote:
+    coordinator = call.broker.coordinator
+    remote = [q for q in queues if q.remote is not None]  # only a cluster has them
+    if not remote:
         return {}
     gate = asyncio.Semaphore(OWNER_COUNTS_CONCURRENCY)
     found: dict[int, tuple[int, int]] = {}
 
     async def one(q: Queue) -> None:
         async with gate:
-            found[id(q)] = await cluster.counts(q)
+            found[id(q)] = await coordinator.counts(q)
 
     try:
         await asyncio.wait_for(asyncio.gather(*(one(q) for q in remote)), timeout=OWNER_COUNTS_TIMEOUT)
@@ -231,24 +231,21 @@ async def queue_get_messages(call: Call) -> list[dict[str, Any]]:
     vh, q = _queue(call, write=True)
     with _refusal("get"):
         access.read_queue(call.grants(vh), q.name)
-    cluster = call.broker.cluster
-    if q.remote is not None and (cluster is None or ackmode != "ack_requeue_false"):
+    if q.remote is not None and ackmode != "ack_requeue_false":
         raise bad_request(f"queue '{q.name}' is owned by node {q.remote.owner}: get with ackmode "
                           "ack_requeue_false here, or ask that node's API")
     requeue = ackmode.endswith("true")
     taken = []
     out = []
     for _ in range(count):
-        if q.remote is not None and cluster is not None:
-            qm, left = await cluster.get(q, True)  # taken for good at the owner
-        else:
-            # ack_requeue_false is a get without ack, as RabbitMQ does it (its get_no_ack):
-            # gone at once, counted in deliver_get and never in ack.
-            no_ack = ackmode == "ack_requeue_false"
-            qm = await q.default.get_loaded(no_ack)  # waits if the head is being read from the store (paging)
-            left = len(q.default.ready)
-            if qm is not None and not no_ack:
-                taken.append(qm)
+        # ack_requeue_false is a get without ack, as RabbitMQ does it (its get_no_ack): gone at
+        # once, counted in deliver_get and never in ack. The coordinator's get is basic.get's: it
+        # counts as use for x-expires, waits while the head is read from the store (paging), and
+        # on a queue another node owns takes the message at its owner (for good: ack_requeue_false).
+        no_ack = ackmode == "ack_requeue_false"
+        qm, left = await call.broker.coordinator.get(q, no_ack)
+        if qm is not None and not no_ack:
+            taken.append(qm)
         if qm is None:
             break
         payload = qm.message.body
