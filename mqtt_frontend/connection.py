@@ -44,6 +44,8 @@ from core.model.ratelog import RateLimitedLog
 from core.ports.coordinator import Immediate
 from mqtt_frontend import codec, topics
 from mqtt_frontend.codec import PacketError, ProtocolError
+from mqtt_frontend.retained import QOS_HEADER
+from mqtt_frontend.retained import qos_of as retained_qos
 
 if TYPE_CHECKING:
     from core.engine.broker import Broker, User
@@ -64,7 +66,7 @@ ARG_FILTER, ARG_QOS, ARG_NO_LOCAL, ARG_RAP, ARG_ID = (
     "x-mqtt-filter", "x-mqtt-qos", "x-mqtt-no-local", "x-mqtt-retain-as-published", "x-mqtt-subscription-id")
 # Headers that carry MQTT facts AMQP has no property for (as RabbitMQ's x-mqtt-publish-qos).
 H_RETAIN, H_PFI, H_CORRELATION = "x-mqtt-retain", "x-mqtt-payload-format", "x-correlation-id"
-INTERNAL_HEADERS = frozenset({H_RETAIN, H_PFI, H_CORRELATION, "x-mqtt-publish-qos"})
+INTERNAL_HEADERS = frozenset({H_RETAIN, H_PFI, H_CORRELATION, QOS_HEADER})
 
 # The property bytes of a plain publish: delivery mode 1 (QoS 0) or 2 (QoS 1).
 PLAIN_PROPS = {0: properties.encode({"delivery_mode": 1}), 1: properties.encode({"delivery_mode": 2})}
@@ -800,7 +802,7 @@ class MqttConnection:
                 continue
             for rm in retained.matching(sub.filter):
                 m = rm.message
-                qos = min(sub.qos, 1 if m.persistent else 0)
+                qos = min(sub.qos, retained_qos(m))
                 expiry = None
                 if rm.expires_at is not None:
                     expiry = max(1, int(rm.expires_at - time.time()))

@@ -21,6 +21,8 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from core.engine import publish
+from core.model import properties
+from core.model.message import Message
 from core.ports.coordinator import Immediate
 from mqtt_frontend import topics
 
@@ -30,11 +32,20 @@ if TYPE_CHECKING:
     from core.engine.broker import Broker
     from core.engine.queue import Queue
     from core.engine.vhost import VirtualHost
-    from core.model.message import Message
 
 log = logging.getLogger("leveret.mqtt")
 
 QUEUE = "mqtt-retained"
+# A QoS 0 retained message is stored too (as RabbitMQ keeps every retained message): its copy is
+# persistent and says its QoS in this header, so a subscriber still gets it at QoS 0.
+QOS_HEADER = "x-mqtt-publish-qos"
+
+
+def qos_of(message: Message) -> int:
+    """The QoS a retained message was published with."""
+    if message.summary.headers_at >= 0 and message.headers.get(QOS_HEADER) == 0:
+        return 0
+    return 1 if message.persistent else 0
 
 
 @dataclass
@@ -92,6 +103,12 @@ class Retained:
             q.drop_offsets([old.offset])
         if not message.body:
             return publish.ROUTED
+        if not message.persistent:
+            props = properties.decode(message.props)
+            props["delivery_mode"] = 2
+            props["headers"] = {**(props.get("headers") or {}), QOS_HEADER: 0}
+            message = Message(message.exchange, message.routing_key, properties.encode(props), message.body,
+                              None, message.node)
         offset = q.next_offset
         outcome = publish.publish_to(q, message, self.broker.committer)
         if outcome.accepted:

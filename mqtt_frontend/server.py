@@ -111,7 +111,10 @@ class Link:
     def tick(self, now: float) -> None:
         if not self.closed:
             self.conn.tick(now)
-            self.flush()
+            if not self._reading:
+                self.after_input()  # a memory alarm that has cleared since: read again
+            else:
+                self.flush()
 
 
 class MQTTProtocol(asyncio.Protocol):

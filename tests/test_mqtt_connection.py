@@ -316,3 +316,14 @@ def test_v5_message_expiry_round_trips(broker: Broker, sessions: Sessions) -> No
     pub.receive_data(mc.publish("m", b"x", qos=1, packet_id=1, level=5, props={"message_expiry": 60}))
     got = out(sub)
     assert 55 <= got[0].fields["props"]["message_expiry"] <= 60
+
+
+def test_qos0_retained_message_is_stored_yet_delivered_at_qos0(broker: Broker, sessions: Sessions) -> None:
+    pub = open_conn(broker, sessions, "pub")
+    pub.receive_data(mc.publish("r0", b"light", qos=0, retain=True))
+    q = broker.vhosts["/"].queues["mqtt-retained"]
+    assert q.durable and [qm.message.persistent for qm in q.default.ready] == [True]
+    sub = open_conn(broker, sessions, "sub")
+    sub.receive_data(mc.subscribe(1, ("r0", 1)))
+    got = out(sub)
+    assert (got[1].fields["payload"], got[1].fields["qos"], got[1].fields["retain"]) == (b"light", 0, True)
