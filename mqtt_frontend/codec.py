@@ -389,25 +389,42 @@ def parse_connect(body: bytes) -> Connect:
     return Connect(name, level, bool(flags & 0x02), keep_alive, client_id, username, password, will, props)
 
 
+def parse_publish(flags: int, body: bytes, v5: bool) -> Publish:
+    """PUBLISH, the hot path: sliced by hand (a Reader costs a third more per publish)."""
+    qos = (flags >> 1) & 0x03
+    if qos == 3:
+        raise MalformedPacket("PUBLISH with QoS 3")
+    dup = bool(flags & 0x08)
+    if dup and qos == 0:
+        raise MalformedPacket("PUBLISH with DUP set at QoS 0")
+    if len(body) < 2:
+        raise MalformedPacket("packet shorter than its fields")
+    end = 2 + ((body[0] << 8) | body[1])
+    if end > len(body):
+        raise MalformedPacket("packet shorter than its fields")
+    topic = decode_utf8(body[2:end])
+    packet_id = 0
+    if qos:
+        if end + 2 > len(body):
+            raise MalformedPacket("packet shorter than its fields")
+        packet_id = (body[end] << 8) | body[end + 1]
+        end += 2
+        if packet_id == 0:
+            raise MalformedPacket("PUBLISH with packet identifier 0")
+    if v5:
+        r = Reader(body, end)
+        props = read_properties(r)
+        end = r.pos
+    else:
+        props = {}
+    return Publish(topic, body[end:], qos, bool(flags & 0x01), dup, packet_id, props)
+
+
 def parse(kind: int, flags: int, body: bytes, level: int) -> Packet:
     """One packet after CONNECT (``level``: the protocol level CONNECT negotiated)."""
     v5 = level == V5
     if kind == PUBLISH:
-        qos = (flags >> 1) & 0x03
-        if qos == 3:
-            raise MalformedPacket("PUBLISH with QoS 3")
-        dup = bool(flags & 0x08)
-        if dup and qos == 0:
-            raise MalformedPacket("PUBLISH with DUP set at QoS 0")
-        r = Reader(body)
-        topic = r.utf8()
-        packet_id = 0
-        if qos:
-            packet_id = r.u16()
-            if packet_id == 0:
-                raise MalformedPacket("PUBLISH with packet identifier 0")
-        props = read_properties(r) if v5 else {}
-        return Publish(topic, r.rest(), qos, bool(flags & 0x01), dup, packet_id, props)
+        return parse_publish(flags, body, v5)
     expected = FIXED_FLAGS.get(kind)
     if expected is None or flags != expected:
         raise MalformedPacket(f"{NAMES.get(kind, kind)} with invalid fixed header flags {flags:#x}")

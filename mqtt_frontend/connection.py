@@ -189,6 +189,7 @@ class MqttConnection:
         self._inflight: dict[int, tuple[QueuedMessage | None, Consumer | None]] = {}
         self._pending_retained: deque[tuple[codec.Publish, list[int]]] = deque()
         self._consumers: dict[int, tuple[Consumer, str | None]] = {}  # id(consumer) -> (it, shared group)
+        self._routes: dict[tuple[str | None, str], _Route] = {}  # (group, routing key) -> what matches
         self._id_prefix = ""
         # Flow control (core/engine/flow.py): queues behind their consumers hold this publisher.
         self._held_by: dict[int, flow.QueueFlow] = {}
@@ -510,6 +511,7 @@ class MqttConnection:
             sub = Sub(f, int(a.get(ARG_QOS, 0)), bool(a.get(ARG_NO_LOCAL)), bool(a.get(ARG_RAP)),
                       int(a.get(ARG_ID, 0)))
             self.session.subs[f] = sub
+        self._subs_changed()
 
     def taken_over(self) -> None:
         """Another connection CONNECTed with this client id: this one ends (its will goes out)."""
@@ -756,6 +758,7 @@ class MqttConnection:
         def bound(_: Any) -> None:
             assert self.session is not None
             self.session.subs[full] = sub
+            self._subs_changed()
             self._bind_next(todo, i + 1, finished)
 
         def bind_new(_: Any = None) -> None:
@@ -833,6 +836,7 @@ class MqttConnection:
         assert self.session is not None
         codes = []
         gone: list[Sub] = []
+        self._subs_changed()
         for f in u.filters:
             sub = self.session.subs.pop(f, None)
             if sub is None:
@@ -885,6 +889,7 @@ class MqttConnection:
             return
         for pid in [pid for pid, (_, c) in self._inflight.items() if c is consumer]:
             del self._inflight[pid]
+        self._subs_changed()
         if self.session is not None:
             if entry[1] is None:
                 self.session.queue = None
@@ -893,39 +898,55 @@ class MqttConnection:
             else:
                 self.session.subs = {k: s for k, s in self.session.subs.items() if s.group != entry[1]}
 
+    def _route_for(self, group: str | None, routing_key: str) -> _Route:
+        """Which of this session's subscriptions a routing key meets (cached until they change)."""
+        key = (group, routing_key)
+        r = self._routes.get(key)
+        if r is not None:
+            return r
+        assert self.session is not None
+        topic = topics.to_topic(routing_key)
+        every: list[Sub] = []
+        for sub in self.session.subs.values():
+            if sub.group == group and topics.matches(sub.filter, topic):
+                every.append(sub)
+        remote = [sub for sub in every if not sub.no_local]
+        r = _Route(topic, codec.utf8(topic), _Match.of(every), _Match.of(remote), len(remote) != len(every))
+        if len(self._routes) >= 4096:
+            self._routes.clear()
+        self._routes[key] = r
+        return r
+
+    def _subs_changed(self) -> None:
+        self._routes.clear()
+
     def deliver(self, consumer: Consumer, qm: QueuedMessage) -> None:
         m = qm.message
-        group = self._consumers[id(consumer)][1]
-        assert self.session is not None
-        topic = topics.to_topic(m.routing_key)
-        msg_qos = 1 if m.summary.delivery_mode == 2 else 0
-        qos = -1
-        ids: list[int] = []
-        rap = False
-        ours = m.id.startswith(self._id_prefix)
-        for sub in self.session.subs.values():
-            if sub.group != group or (sub.no_local and ours) or not topics.matches(sub.filter, topic):
-                continue
-            qos = max(qos, min(sub.qos, msg_qos))
-            rap = rap or sub.rap
-            if sub.sub_id:
-                ids.append(sub.sub_id)
-        if qos < 0:
+        route = self._route_for(self._consumers[id(consumer)][1], m.routing_key)
+        match = route.every
+        if route.no_local and m.id.startswith(self._id_prefix):
+            match = route.remote  # published by this client: not to its no-local subscriptions
+        if match.qos < 0:
             consumer.channel.settle(qm, consumer)  # no subscription of this session wants it ($ topics, no local)
             return
-        props: dict[str, Any] = {}
+        msg_qos = 1 if m.summary.delivery_mode == 2 else 0
+        qos = match.qos if match.qos < msg_qos else msg_qos
+        props: dict[str, Any] | None = None
         retain = False
         if m.props is not PLAIN_PROPS[msg_qos]:
-            retain = rap and _flag(m)
+            retain = match.rap and _flag(m)
             if self.level == codec.V5:
                 expiry = None
                 if qm.expires_at is not None:
                     expiry = max(1, int(qm.expires_at - time.time()))
                 props = self._v5_properties(m, expiry)
-        if ids and self.level == codec.V5:
-            props["subscription_id"] = ids
+        if match.ids and self.level == codec.V5:
+            if props is None:
+                props = {}
+            props["subscription_id"] = match.ids
         packet_id = self._packet_id() if qos else 0
-        data = codec.publish(topic, m.body, qos, retain, qos > 0 and qm.redelivered, packet_id, self.level, props)
+        data = codec.publish(route.topic, m.body, qos, retain, qos > 0 and qm.redelivered, packet_id, self.level,
+                             props, route.topic_raw)
         self.broker.stats.delivered_consume_manual_ack += 1
         if len(data) > self.client_max_packet:
             consumer.channel.settle(qm, consumer)  # over the client's maximum packet size: dropped (v5 3.1.2.11.4)
@@ -1089,6 +1110,27 @@ class MqttConnection:
 
     def _peer_text(self) -> str:
         return f"{self.peer[0]}:{self.peer[1]}" if self.peer else "-"
+
+
+@dataclass(frozen=True)
+class _Match:
+    qos: int  # the highest QoS of the subscriptions that match; -1: none
+    ids: list[int]
+    rap: bool
+
+    @staticmethod
+    def of(subs: list[Sub]) -> _Match:
+        return _Match(max((s.qos for s in subs), default=-1), [s.sub_id for s in subs if s.sub_id],
+                      any(s.rap for s in subs))
+
+
+@dataclass(frozen=True)
+class _Route:
+    topic: str
+    topic_raw: bytes  # the topic as an MQTT string, encoded once
+    every: _Match
+    remote: _Match  # without the no-local subscriptions: for this client's own messages
+    no_local: bool  # the two differ
 
 
 class _Both(publish.Outcome):
