@@ -475,7 +475,7 @@ class MqttConnection:
         self.on_output()
 
     def _connack_refuse(self, reason: int, text: str) -> None:
-        refused_log.warning(self._peer_text(), "MQTT connection refused", reason=f"{reason:#x}", text=text)
+        refused_log.warning(self._host(), "MQTT connection refused", reason=f"{reason:#x}", text=text)
         props = {"reason_string": text[:200]} if self.level == codec.V5 else None
         self.write(codec.connack(self.level, False, reason, props))
         self.close_reason = text
@@ -567,7 +567,7 @@ class MqttConnection:
             access.check_topic(self.grants, "write", topics.EXCHANGE, rk)
         except AccessRefused as exc:
             if self.level == codec.V5 and p.qos == 1:
-                refused_log.warning(self._peer_text(), "MQTT publish refused", text=exc.text)
+                refused_log.warning(self._host(), "MQTT publish refused", text=exc.text)
                 entry = _Inbound(p.packet_id, codec.PUBACK, codec.NOT_AUTHORIZED)  # in order with the others
                 self._inbound.append(entry)
                 self._inbound_ids[p.packet_id] = entry
@@ -713,11 +713,11 @@ class MqttConnection:
             except PacketError as exc:
                 if isinstance(exc, ProtocolError) and "no local" in exc.text:
                     raise
-                refused_log.warning(self._peer_text(), "MQTT subscription refused", text=exc.text)
+                refused_log.warning(self._host(), "MQTT subscription refused", text=exc.text)
                 codes.append(codec.TOPIC_FILTER_INVALID)
                 continue
             except AccessRefused as exc:
-                refused_log.warning(self._peer_text(), "MQTT subscription refused", text=exc.text)
+                refused_log.warning(self._host(), "MQTT subscription refused", text=exc.text)
                 codes.append(codec.NOT_AUTHORIZED)
                 continue
             codes.append(qos)
@@ -1007,7 +1007,7 @@ class MqttConnection:
         if self.should_close or self.state is State.CLOSED:
             return
         if not logged:
-            refused_log.warning(self._peer_text(), "MQTT connection closed by server", reason=f"{reason:#x}",
+            refused_log.warning(self._host(), "MQTT connection closed by server", reason=f"{reason:#x}",
                                 text=text, client_id=self.client_id)
         if self.state is State.AWAIT_CONNECT and self._connect_seen:
             self.write(codec.connack(self.level, False, reason, {"reason_string": text[:200]}
@@ -1088,7 +1088,7 @@ class MqttConnection:
             access.publish(self.grants, topics.EXCHANGE)
             access.check_topic(self.grants, "write", topics.EXCHANGE, rk)
         except AccessRefused as exc:
-            refused_log.warning(self._peer_text(), "MQTT will not published", text=exc.text)
+            refused_log.warning(self._host(), "MQTT will not published", text=exc.text)
             return
         p = codec.Publish(will.topic, will.payload, will.qos, will.retain, False, 0,
                           {k: v for k, v in will.properties.items() if k != "will_delay"})
@@ -1110,6 +1110,10 @@ class MqttConnection:
 
     def _peer_text(self) -> str:
         return f"{self.peer[0]}:{self.peer[1]}" if self.peer else "-"
+
+    def _host(self) -> str:
+        """What refusals are rate-limited by: the client's address (a flood opens new ports)."""
+        return self.peer[0] if self.peer else "-"
 
 
 @dataclass(frozen=True)

@@ -20,6 +20,11 @@ from tests.brokers import local_broker
 _ports = itertools.count(1)
 
 
+def _peer() -> tuple[str, int]:
+    n = next(_ports)
+    return f"127.{n >> 16 & 255}.{n >> 8 & 255}.{n & 255}", 1883  # loopback: guest may log in
+
+
 @pytest.fixture
 def broker() -> Broker:
     return local_broker()
@@ -32,7 +37,7 @@ def sessions(broker: Broker) -> Sessions:
 
 def open_conn(broker: Broker, sessions: Sessions, client_id: str = "c1", level: int = 4,
               **kwargs: object) -> MqttConnection:
-    conn = MqttConnection(broker, sessions, MqttSettings(), now=0.0, peer=("127.0.0.1", next(_ports)))
+    conn = MqttConnection(broker, sessions, MqttSettings(), now=0.0, peer=_peer())
     conn.receive_data(mc.connect(client_id, level=level, **kwargs))  # type: ignore[arg-type]
     got = mc.read(conn.data_to_send(), level)
     assert got[0].kind == codec.CONNACK and got[0].fields["code"] == 0, got
@@ -327,3 +332,13 @@ def test_qos0_retained_message_is_stored_yet_delivered_at_qos0(broker: Broker, s
     sub.receive_data(mc.subscribe(1, ("r0", 1)))
     got = out(sub)
     assert (got[1].fields["payload"], got[1].fields["qos"], got[1].fields["retain"]) == (b"light", 0, True)
+
+
+def test_refusals_from_one_address_are_logged_once(broker: Broker, sessions: Sessions,
+                                                   caplog: pytest.LogCaptureFixture) -> None:
+    with caplog.at_level(logging.WARNING, logger="leveret.mqtt"):
+        for port in range(20):  # a flood opens a new port each time
+            conn = MqttConnection(broker, sessions, now=0.0, peer=("127.9.9.9", 40000 + port))
+            conn.receive_data(mc.connect("x") + mc.publish("a/#", b"x"))
+            assert conn.should_close
+    assert len([r for r in caplog.records if r.name == "leveret.mqtt"]) == 1
