@@ -9,6 +9,7 @@ import pytest
 
 from core.engine import publish
 from core.engine.broker import Broker
+from core.model.clock import ManualScheduler
 from core.model.message import Message
 from mqtt_frontend import codec
 from mqtt_frontend.connection import MqttConnection, MqttSettings
@@ -342,3 +343,54 @@ def test_refusals_from_one_address_are_logged_once(broker: Broker, sessions: Ses
             conn.receive_data(mc.connect("x") + mc.publish("a/#", b"x"))
             assert conn.should_close
     assert len([r for r in caplog.records if r.name == "leveret.mqtt"]) == 1
+
+
+@pytest.fixture
+def manual() -> tuple[Broker, Sessions, ManualScheduler]:
+    clock = ManualScheduler()
+    broker = local_broker(scheduler=clock)
+    return broker, Sessions(broker), clock
+
+
+def test_v5_will_delay_fires_late_and_a_reconnect_cancels_it(manual: tuple[Broker, Sessions,
+                                                                          ManualScheduler]) -> None:
+    broker, sessions, clock = manual
+    watcher = open_conn(broker, sessions, "w")
+    watcher.receive_data(mc.subscribe(1, ("st/#", 0)))
+    out(watcher)
+    will = codec.Will("st/dev", b"gone", 0, False, {"will_delay": 5})
+    dev = open_conn(broker, sessions, "dev", level=5, will=will, props={"session_expiry": 60})
+    dev.connection_lost()  # vanished
+    clock.advance(4)
+    assert out(watcher) == []
+    clock.advance(2)
+    assert [g.fields["payload"] for g in out(watcher)] == [b"gone"]
+    again = open_conn(broker, sessions, "dev", level=5, will=will, props={"session_expiry": 60})
+    again.connection_lost()
+    open_conn(broker, sessions, "dev", level=5, props={"session_expiry": 60})  # back within the delay
+    clock.advance(10)
+    assert out(watcher) == []
+
+
+def test_v5_session_expires_after_its_interval(manual: tuple[Broker, Sessions, ManualScheduler]) -> None:
+    broker, sessions, clock = manual
+    conn = open_conn(broker, sessions, "short", level=5, clean=False, props={"session_expiry": 2})
+    conn.receive_data(mc.subscribe(1, ("x", 1), level=5))
+    out(conn)
+    conn.connection_lost()
+    assert "mqtt-subscription-shortqos1" in broker.vhosts["/"].queues
+    clock.advance(3)
+    assert "mqtt-subscription-shortqos1" not in broker.vhosts["/"].queues
+
+
+def test_v5_receive_maximum_exceeded_by_the_client(broker: Broker, sessions: Sessions) -> None:
+    conn = MqttConnection(broker, sessions, MqttSettings(receive_maximum=2), now=0.0, peer=_peer())
+    conn.receive_data(mc.connect(level=5))
+    assert out(conn)[0].fields["props"]["receive_maximum"] == 2
+    conn.receive_data(mc.publish("rm", b"1", 1, 1, level=5) + mc.publish("rm", b"2", 1, 2, level=5))
+    assert [g.kind for g in out(conn)] == [codec.PUBACK, codec.PUBACK]  # two in flight: allowed
+    # Three sent before any PUBACK could have reached the client: one over its quota.
+    conn.receive_data(b"".join(mc.publish("rm", b"x", 1, i, level=5) for i in range(3, 6)))
+    got = out(conn)
+    assert got[-1].kind == codec.DISCONNECT and got[-1].fields["reason"] == codec.RECEIVE_MAXIMUM_EXCEEDED
+    assert conn.should_close
