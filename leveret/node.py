@@ -315,13 +315,19 @@ class Node:
     async def _start_mqtt(self) -> None:
         """MQTT, MQTT over TLS (the AMQPS certificate) and over WebSocket; a port of 0 is no listener."""
         cfg = self.config
-        if cfg.mqtt_port:
-            await self.mqtt.start(cfg.bind, cfg.mqtt_port)
-        if self.tls is not None and cfg.resolved_mqtt_tls_port:
-            await self.mqtt.start_tls(cfg.bind, cfg.resolved_mqtt_tls_port, self.tls.context)
-        if cfg.mqtt_ws_port:
-            self.mqtt_ws = WebSocketListener(self.mqtt)
-            await self.mqtt_ws.start(cfg.bind, cfg.mqtt_ws_port, self._http_ssl())
+        port = cfg.mqtt_port
+        try:
+            if port:
+                await self.mqtt.start(cfg.bind, port)
+            port = cfg.resolved_mqtt_tls_port
+            if self.tls is not None and port:
+                await self.mqtt.start_tls(cfg.bind, port, self.tls.context)
+            port = cfg.mqtt_ws_port
+            if port:
+                self.mqtt_ws = WebSocketListener(self.mqtt)
+                await self.mqtt_ws.start(cfg.bind, port, self._http_ssl())
+        except OSError as exc:  # say which port (a RabbitMQ with rabbitmq_mqtt may hold 1883): --mqtt-port 0
+            raise OSError(exc.errno, f"MQTT port {port}: {exc.strerror or exc}") from exc
 
     def _http_ssl(self) -> ssl.SSLContext | None:
         return self.http_tls.context if self.http_tls is not None else None
