@@ -386,3 +386,20 @@ def test_mqtt_over_websocket(tmp_path: Path) -> None:
         tcp.close()
     finally:
         n.cleanup()
+
+
+def test_disconnect_reason_is_not_lost_to_a_reset(node: NodeProcess) -> None:
+    """Bytes the client sent after its bad packet are still unread when the node closes: without the
+    linger, the reset they cause overtakes the DISCONNECT."""
+    s = socket.create_connection(("127.0.0.1", node.mqtt_port))
+    s.settimeout(TIMEOUT)
+    s.sendall(mc.connect("burst", level=5))
+    assert s.recv(1) == b"\x20"
+    s.recv(1024)
+    s.sendall(mc.publish("a/#", b"x", level=5) + mc.publish("ok", b"y" * 1000, level=5) * 200)
+    time.sleep(0.5)
+    data = b""
+    while chunk := s.recv(1024):
+        data += chunk
+    got = mc.read(data, 5)
+    assert got[-1].kind == codec.DISCONNECT and got[-1].fields["reason"] == codec.TOPIC_NAME_INVALID

@@ -16,6 +16,7 @@ from mqtt_frontend.connection import MqttConnection, MqttSettings
 from mqtt_frontend.sessions import Sessions
 
 log = logging.getLogger("leveret.mqtt")
+LINGER_S = 3.0  # after the last packet, how long a closed connection's input is still read and dropped
 
 
 class Link:
@@ -122,6 +123,7 @@ class MQTTProtocol(asyncio.Protocol):
         self.server = server
         self.link: Link | None = None
         self.transport: asyncio.Transport | None = None
+        self._linger: asyncio.TimerHandle | None = None
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self.transport = tr = transport  # type: ignore[assignment]
@@ -136,8 +138,21 @@ class MQTTProtocol(asyncio.Protocol):
         self.server.broker.stats.connections_opened += 1
 
     def _close(self) -> None:
-        if self.transport is not None and not self.transport.is_closing():
-            self.transport.close()  # after what was written: close() flushes the buffer first
+        """The last packet is written: half-close, then read (and drop) until the client closes.
+
+        Closing a socket with unread input sends a reset, which can overtake the DISCONNECT or
+        CONNACK just written (a client that sent a burst before its bad packet would see
+        ECONNRESET instead of the reason code); the AMQP listener lingers the same way.
+        """
+        tr = self.transport
+        if tr is None or tr.is_closing():
+            return
+        if not tr.can_write_eof():
+            tr.close()
+            return
+        tr.write_eof()
+        tr.resume_reading()
+        self._linger = asyncio.get_running_loop().call_later(LINGER_S, tr.abort)
 
     def data_received(self, data: bytes) -> None:
         if self.link is not None:
@@ -156,6 +171,8 @@ class MQTTProtocol(asyncio.Protocol):
             self.link.schedule_flush()
 
     def connection_lost(self, exc: Exception | None) -> None:
+        if self._linger is not None:
+            self._linger.cancel()
         self.server.broker.stats.connections_closed += 1
         if self.link is not None:
             self.link.lost()
