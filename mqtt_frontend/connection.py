@@ -371,6 +371,9 @@ class MqttConnection:
         if props.get("auth_method"):
             self._connack_refuse(0x8C, "enhanced authentication is not supported")  # bad auth method
             return
+        if self.level == codec.V5 and c.will is not None and c.will.qos > 1:
+            self._connack_refuse(codec.QOS_NOT_SUPPORTED, "will QoS 2 is over the maximum QoS 1")  # MQTT-3.2.2-12
+            return
         client_id = c.client_id
         assigned = False
         if not client_id:

@@ -394,3 +394,11 @@ def test_v5_receive_maximum_exceeded_by_the_client(broker: Broker, sessions: Ses
     got = out(conn)
     assert got[-1].kind == codec.DISCONNECT and got[-1].fields["reason"] == codec.RECEIVE_MAXIMUM_EXCEEDED
     assert conn.should_close
+
+
+def test_v5_will_qos2_is_refused_at_connect(broker: Broker, sessions: Sessions) -> None:
+    conn = MqttConnection(broker, sessions, now=0.0, peer=_peer())
+    conn.receive_data(mc.connect(level=5, will=codec.Will("w", b"x", 2, False)))
+    got = out(conn)
+    assert got[0].kind == codec.CONNACK and got[0].fields["code"] == codec.QOS_NOT_SUPPORTED
+    assert conn.should_close
