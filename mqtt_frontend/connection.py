@@ -37,14 +37,12 @@ from typing import TYPE_CHECKING, Any
 
 from core.engine import access, flow, publish
 from core.engine.queue import Consumer
-from core.model import properties
 from core.model.errors import AccessRefused, BrokerError
 from core.model.message import Message
 from core.model.ratelog import RateLimitedLog
 from core.ports.coordinator import Immediate
-from mqtt_frontend import codec, topics
+from mqtt_frontend import codec, mapping, topics
 from mqtt_frontend.codec import PacketError, ProtocolError
-from mqtt_frontend.retained import QOS_HEADER
 from mqtt_frontend.retained import qos_of as retained_qos
 
 if TYPE_CHECKING:
@@ -64,14 +62,6 @@ NO_EXPIRY = 0xFFFFFFFF
 # Binding arguments that carry a subscription's options (restored with a persistent session).
 ARG_FILTER, ARG_QOS, ARG_NO_LOCAL, ARG_RAP, ARG_ID = (
     "x-mqtt-filter", "x-mqtt-qos", "x-mqtt-no-local", "x-mqtt-retain-as-published", "x-mqtt-subscription-id")
-# Headers that carry MQTT facts AMQP has no property for (as RabbitMQ's x-mqtt-publish-qos).
-H_RETAIN, H_PFI, H_CORRELATION = "x-mqtt-retain", "x-mqtt-payload-format", "x-correlation-id"
-INTERNAL_HEADERS = frozenset({H_RETAIN, H_PFI, H_CORRELATION, QOS_HEADER})
-
-# The property bytes of a plain publish: delivery mode 1 (QoS 0) or 2 (QoS 1).
-PLAIN_PROPS = {0: properties.encode({"delivery_mode": 1}), 1: properties.encode({"delivery_mode": 2})}
-PLAIN_SUMMARY = {q: properties.scan(p) for q, p in PLAIN_PROPS.items()}
-PLAIN_FLAGS = 0x1000
 
 
 @dataclass
@@ -591,44 +581,13 @@ class MqttConnection:
         qos = 1 if p.qos else 0
         props = p.properties
         if not props and not p.retain:
-            message = Message(topics.EXCHANGE, rk, PLAIN_PROPS[qos], p.payload, PLAIN_SUMMARY[qos],
+            message = Message(topics.EXCHANGE, rk, mapping.PLAIN_PROPS[qos], p.payload, mapping.PLAIN_SUMMARY[qos],
                               self.broker.node_id)
         else:
-            message = Message(topics.EXCHANGE, rk, self._amqp_properties(qos, p.retain, props), p.payload,
+            message = Message(topics.EXCHANGE, rk, mapping.to_amqp(qos, p.retain, props), p.payload,
                               None, self.broker.node_id)
         message.id = self._id_prefix + str(message.seq)  # tells no-local subscriptions it is ours
         return message
-
-    def _amqp_properties(self, qos: int, retain: bool, props: dict[str, Any]) -> bytes:
-        """The MQTT 5 properties as AMQP properties, as RabbitMQ 3.13 maps them."""
-        amqp: dict[str, Any] = {"delivery_mode": 2 if qos else 1}
-        headers: dict[str, Any] = {}
-        for name, value in props.get("user_property", ()):
-            headers[name] = value
-        if retain:
-            headers[H_RETAIN] = True
-        if "payload_format" in props:
-            headers[H_PFI] = props["payload_format"]
-        if "content_type" in props:
-            amqp["content_type"] = props["content_type"][:255]
-        if "response_topic" in props:
-            amqp["reply_to"] = topics.to_routing_key(props["response_topic"])[:255]
-        if "correlation_data" in props:
-            data = props["correlation_data"]
-            try:
-                text = data.decode("utf-8")
-            except UnicodeDecodeError:
-                text = None
-            if text is not None and len(data) <= 255:
-                amqp["correlation_id"] = text
-            else:
-                headers[H_CORRELATION] = data
-        expiry = props.get("message_expiry")
-        if expiry is not None:
-            amqp["expiration"] = str(expiry * 1000)
-        if headers:
-            amqp["headers"] = headers
-        return properties.encode(amqp)
 
     def _route(self, topic: str, message: Message, retain: bool) -> publish.Outcome:
         assert self.vhost is not None
@@ -813,7 +772,7 @@ class MqttConnection:
                 if rm.expires_at is not None:
                     expiry = max(1, int(rm.expires_at - time.time()))
                 p = codec.Publish(rm.topic, m.body, qos, True, False,
-                                  properties=self._v5_properties(m, expiry) if self.level == codec.V5 else {})
+                                  properties=mapping.to_mqtt(m, expiry) if self.level == codec.V5 else {})
                 self._pending_retained.append((p, [sub.sub_id] if sub.sub_id else []))
         self._drain_retained()
         for consumer, _ in list(self._consumers.values()):
@@ -936,13 +895,13 @@ class MqttConnection:
         qos = match.qos if match.qos < msg_qos else msg_qos
         props: dict[str, Any] | None = None
         retain = False
-        if m.props is not PLAIN_PROPS[msg_qos]:
-            retain = match.rap and _flag(m)
+        if m.props is not mapping.PLAIN_PROPS[msg_qos]:
+            retain = match.rap and mapping.retain_flag(m)
             if self.level == codec.V5:
                 expiry = None
                 if qm.expires_at is not None:
                     expiry = max(1, int(qm.expires_at - time.time()))
-                props = self._v5_properties(m, expiry)
+                props = mapping.to_mqtt(m, expiry)
         if match.ids and self.level == codec.V5:
             if props is None:
                 props = {}
@@ -959,30 +918,6 @@ class MqttConnection:
             self._inflight[packet_id] = (qm, consumer)
         else:
             consumer.channel.settle(qm, consumer)
-
-    def _v5_properties(self, m: Message, expiry: int | None) -> dict[str, Any]:
-        props: dict[str, Any] = {}
-        if expiry is not None:
-            props["message_expiry"] = expiry
-        flags = int.from_bytes(m.props[:2], "big")
-        if not flags & ~PLAIN_FLAGS:
-            return props
-        amqp = properties.decode(m.props)
-        if "content_type" in amqp:
-            props["content_type"] = amqp["content_type"]
-        if "reply_to" in amqp:
-            props["response_topic"] = topics.to_topic(amqp["reply_to"])
-        if "correlation_id" in amqp:
-            props["correlation_data"] = amqp["correlation_id"].encode("utf-8")
-        headers = amqp.get("headers") or {}
-        if H_CORRELATION in headers and isinstance(headers[H_CORRELATION], (bytes, bytearray)):
-            props["correlation_data"] = bytes(headers[H_CORRELATION])
-        if headers.get(H_PFI) in (0, 1):
-            props["payload_format"] = headers[H_PFI]
-        users = [(str(k), _text(v)) for k, v in headers.items() if k not in INTERNAL_HEADERS]
-        if users:
-            props["user_property"] = users
-        return props
 
     def _packet_id(self) -> int:
         n = self._next_id
@@ -1149,16 +1084,6 @@ class _Both(publish.Outcome):
         a.on_settled(lambda ok: self._answer(ok, None))
         b.on_settled(lambda ok: self._answer(ok, None))
         self._answer(True, None)
-
-
-def _flag(m: Message) -> bool:
-    return m.summary.headers_at >= 0 and m.headers.get(H_RETAIN) is True
-
-
-def _text(value: Any) -> str:
-    if isinstance(value, (bytes, bytearray)):
-        return bytes(value).decode("utf-8", "replace")
-    return str(value)
 
 
 def _raise(exc: BaseException) -> None:
