@@ -403,3 +403,33 @@ def test_disconnect_reason_is_not_lost_to_a_reset(node: NodeProcess) -> None:
         data += chunk
     got = mc.read(data, 5)
     assert got[-1].kind == codec.DISCONNECT and got[-1].fields["reason"] == codec.TOPIC_NAME_INVALID
+
+
+def test_memory_alarm_stops_reading_mqtt_publishers_until_it_clears(tmp_path: Path) -> None:
+    n = NodeProcess(tmp_path / "data", tmp_path / "logs", ["--memory-high-watermark", "8000000"], mqtt=True)
+    start(n)
+    try:
+        away = Client(n.mqtt_port, client_id="alarm-sub", clean=False)
+        away.subscribe("alarm/#", qos=1)
+        away.close()
+        pub = Client(n.mqtt_port)
+        body = b"x" * 100_000
+        blocked = None
+        for i in range(200):  # 20 MB into a queue nobody reads: past the 8 MB watermark
+            info = pub.client.publish("alarm/t", body, qos=1)
+            info.wait_for_publish(3)
+            if not info.is_published():
+                blocked = i
+                break
+        assert blocked is not None and blocked >= 40, blocked  # ~8 MB went in first
+        back = Client(n.mqtt_port, client_id="alarm-sub", clean=False)
+        received = 0
+        while received < blocked:  # draining the queue clears the alarm ...
+            back.get()
+            received += 1
+        info.wait_for_publish(15)  # ... and the held publisher is read again
+        assert info.is_published()
+        back.close()
+        pub.close()
+    finally:
+        n.cleanup()
