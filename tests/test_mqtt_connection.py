@@ -402,3 +402,13 @@ def test_v5_will_qos2_is_refused_at_connect(broker: Broker, sessions: Sessions) 
     got = out(conn)
     assert got[0].kind == codec.CONNACK and got[0].fields["code"] == codec.QOS_NOT_SUPPORTED
     assert conn.should_close
+
+
+def test_vhost_connection_limit_counts_mqtt_connections(broker: Broker, sessions: Sessions) -> None:
+    broker.vhost_limits["/"] = {"max-connections": 1}
+    first = open_conn(broker, sessions, "one", level=5)
+    second = MqttConnection(broker, sessions, now=0.0, peer=_peer())
+    second.receive_data(mc.connect("two", level=5))
+    assert out(second)[0].fields["code"] == codec.QUOTA_EXCEEDED
+    first.connection_lost()
+    open_conn(broker, sessions, "three", level=5)  # the slot is free again
