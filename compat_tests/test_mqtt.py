@@ -5,6 +5,7 @@ from __future__ import annotations
 import queue
 import socket
 import struct
+import subprocess
 import threading
 import time
 import uuid
@@ -18,7 +19,7 @@ from paho.mqtt.enums import CallbackAPIVersion
 from paho.mqtt.packettypes import PacketTypes
 from paho.mqtt.properties import Properties
 
-from compat_tests.node_process import NodeProcess
+from compat_tests.node_process import REPO_ROOT, NodeProcess, _python, node_env
 from mqtt_frontend import codec
 from tests import mqtt_client as mc
 from tests.ports import free_port
@@ -431,5 +432,32 @@ def test_memory_alarm_stops_reading_mqtt_publishers_until_it_clears(tmp_path: Pa
         assert info.is_published()
         back.close()
         pub.close()
+    finally:
+        n.cleanup()
+
+
+def test_vhost_user_login_and_retained_messages_of_another_vhost(tmp_path: Path) -> None:
+    data = tmp_path / "data"
+    for cmd in (["vhosts", "add", "iot"], ["users", "add", "dev", "--password", "dev-pass-1", "--vhost", "iot"]):
+        subprocess.run([_python(), "-m", "leveret", *cmd, "--data-dir", str(data)], cwd=REPO_ROOT, env=node_env(),
+                       check=True, capture_output=True, timeout=60)
+    n = NodeProcess(data, tmp_path / "logs", mqtt=True)
+    start(n)
+    try:
+        # The first connection to "iot" declares its retained queue; the publish right after must find it.
+        Client(n.mqtt_port, username="iot:dev", password="dev-pass-1").publish("cfg/a", b"v1", qos=1, retain=True)
+        refused = Client(n.mqtt_port, username="dev", password="dev-pass-1")  # no access to "/"
+        assert refused.rc.is_failure  # type: ignore[attr-defined]
+        refused.client.loop_stop()
+        n.kill()
+        start(n)
+        sub = Client(n.mqtt_port, username="iot:dev", password="dev-pass-1")
+        sub.subscribe("cfg/#", qos=1)
+        assert (sub.get().payload, sub.nothing()) == (b"v1", True)
+        sub.close()
+        guest = Client(n.mqtt_port)  # vhost "/": another vhost's retained messages are not its own
+        guest.subscribe("cfg/#", qos=1)
+        assert guest.nothing()
+        guest.close()
     finally:
         n.cleanup()

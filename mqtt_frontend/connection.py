@@ -489,9 +489,13 @@ class MqttConnection:
         log.info("MQTT connection opened", extra={"peer": self._peer_text(), "user": self.username,
                                                   "vhost": self.vhost.name if self.vhost else "",
                                                   "client_id": self.client_id, "level": self.level})
-        self.sessions.retained(self.vhost.name if self.vhost else "/")  # opened before the first retain
         if self.session is not None and self.session.queue is not None:
             self._consume_session()
+        retained = self.sessions.retained(self.vhost.name if self.vhost else "/")
+        if retained.opening is not None:
+            # The vhost's retained queue is being declared (the first connection to this vhost):
+            # nothing more is read until it is, so no retained publish finds it missing.
+            self._when(retained.opening, _noop_result)
 
     def _restore_subscriptions(self, q: Queue) -> None:
         """A persistent session's subscriptions are its queue's bindings (with their options)."""
@@ -1091,4 +1095,8 @@ def _raise(exc: BaseException) -> None:
 
 
 def _noop() -> None:
+    pass
+
+
+def _noop_result(_: Any) -> None:
     pass

@@ -64,6 +64,8 @@ class Retained:
         self.vhost = vhost
         self.queue: Queue | None = None
         self.by_topic: dict[str, RetainedMessage] = {}
+        # While the queue's declaration waits for the store: what a connection waits on.
+        self.opening: Awaitable[None] | None = None
 
     def open(self) -> Awaitable[Queue]:
         """Declare the queue (durable) and read back what it holds; the index is built when it answers."""

@@ -207,9 +207,9 @@ class MQTTServer:
     async def open_retained(self) -> None:
         """The retained messages of the listener's vhost, read back before clients are served."""
         if self.settings.vhost in self.broker.vhosts:
-            retained = self.sessions.retained(self.settings.vhost)
-            if retained.queue is None:
-                await retained.open()
+            opening = self.sessions.retained(self.settings.vhost).opening
+            if opening is not None:
+                await opening
 
     def _ensure_ticker(self) -> None:
         if self._ticker is None:

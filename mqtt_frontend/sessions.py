@@ -34,7 +34,7 @@ class Sessions:
             r = self._retained[vhost_name] = Retained(self.broker, self.broker.vhosts[vhost_name])
             op = r.open()
             if not hasattr(op, "value"):  # not Immediate: the store answers later
-                _spawn(op)
+                r.opening = _spawn(op, r)
         return r
 
     def claim(self, key: Key, conn: Any) -> Any:
@@ -64,13 +64,16 @@ class Sessions:
 _tasks: set[asyncio.Task[Any]] = set()
 
 
-def _spawn(op: Awaitable[Any]) -> None:
+def _spawn(op: Awaitable[Any], r: Retained) -> asyncio.Task[None]:
     async def run() -> None:
         try:
             await op
         except Exception as exc:  # noqa: BLE001 - logged: retained messages are then not kept
             log.error("could not open the retained-message queue", extra={"error": f"{type(exc).__name__}: {exc}"})
+        finally:
+            r.opening = None
 
     task = asyncio.get_running_loop().create_task(run())
     _tasks.add(task)  # the loop keeps only weak references to tasks
     task.add_done_callback(_tasks.discard)
+    return task
