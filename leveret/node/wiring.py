@@ -34,6 +34,9 @@ from leveret.node.grpc_server import GRPCServer
 from leveret.node.policy_watch import PolicyWatch
 from leveret.node.retention_schedule import RetentionService
 from leveret.node.tls import ServerTLS, TLSFiles
+from mqtt_frontend.connection import MqttSettings
+from mqtt_frontend.server import MQTTServer
+from mqtt_frontend.websocket import WebSocketListener
 
 if TYPE_CHECKING:
     import grpc
@@ -77,6 +80,9 @@ class Node:
             ),
         )
         self.grpc = GRPCServer(self.broker, config.max_message_size)
+        self.mqtt = MQTTServer(self.broker, MqttSettings(vhost=config.mqtt_vhost,
+                                                         max_packet_size=config.max_message_size))
+        self.mqtt_ws: WebSocketListener | None = None
         self.grpc.servicer.region = config.region
         self.etcd: EtcdCoordinator | None = None
         self.cluster_server: ClusterServer | None = None
@@ -275,6 +281,7 @@ class Node:
         else:
             await self._start_amqp()
             await self.grpc.start(self.config.bind, self.config.grpc_port, self._grpc_credentials())
+        await self._start_mqtt()
         self._monitor = asyncio.create_task(self._watch_memory())
         await self._start_shovels()
         await self._start_management()
@@ -314,6 +321,23 @@ class Node:
         await self.amqp.start(self.config.bind, self.config.amqp_port)
         if self.tls is not None and self.config.resolved_amqps_port:
             await self.amqp.start_tls(self.config.bind, self.config.resolved_amqps_port, self.tls.context)
+
+    async def _start_mqtt(self) -> None:
+        """MQTT, MQTT over TLS (the AMQPS certificate) and over WebSocket; a port of 0 is no listener."""
+        cfg = self.config
+        port = cfg.mqtt_port
+        try:
+            if port:
+                await self.mqtt.start(cfg.bind, port)
+            port = cfg.resolved_mqtt_tls_port
+            if self.tls is not None and port:
+                await self.mqtt.start_tls(cfg.bind, port, self.tls.context)
+            port = cfg.mqtt_ws_port
+            if port:
+                self.mqtt_ws = WebSocketListener(self.mqtt)
+                await self.mqtt_ws.start(cfg.bind, port, self._http_ssl())
+        except OSError as exc:  # say which port (a RabbitMQ with rabbitmq_mqtt may hold 1883): --mqtt-port 0
+            raise OSError(exc.errno, f"MQTT port {port}: {exc.strerror or exc}") from exc
 
     def _http_ssl(self) -> ssl.SSLContext | None:
         return self.http_tls.context if self.http_tls is not None else None
@@ -410,6 +434,9 @@ class Node:
         await self.grpc.stop()
         if self.cluster_server is not None:
             await self.cluster_server.stop()
+        if self.mqtt_ws is not None:
+            await self.mqtt_ws.stop()
+        await self.mqtt.stop()
         await self.amqp.stop()
         if self.metrics is not None:
             await self.metrics.stop()
