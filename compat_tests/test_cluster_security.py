@@ -24,7 +24,7 @@ from compat_tests.cluster_process import Cluster
 from compat_tests.node_process import REPO_ROOT, _python, free_ports, node_env
 from core.cluster import internal_pb2, internal_pb2_grpc
 from core.cluster.auth import PeerAuth
-from core.cluster.forwarding import _PROTOCOL_MD
+from core.cluster.wire import PROTOCOL_MD
 from tests.etcd import EtcdServer
 from tests.etcd import etcd_server_fixture as etcd_server_fixture  # the module-scoped `etcd_server`
 from tests.pg import throwaway_postgres
@@ -61,7 +61,7 @@ def _forward_roundtrip(cluster: Cluster) -> None:
             time.sleep(0.05)
 
 
-def _stats(channel: grpc.Channel, metadata: tuple[tuple[str, str], ...] = _PROTOCOL_MD) -> grpc.StatusCode:
+def _stats(channel: grpc.Channel, metadata: tuple[tuple[str, str], ...] = PROTOCOL_MD) -> grpc.StatusCode:
     try:
         internal_pb2_grpc.NodeStub(channel).Stats(internal_pb2.QueueRef(vhost="/", queue="none"), timeout=5,
                                                   metadata=metadata)
@@ -90,14 +90,14 @@ def test_secret_cluster_refuses_strangers(etcd_server: EtcdServer, cluster_postg
         secret = Path(cluster.cluster_auth[1]).read_bytes().strip()
         member = PeerAuth(secret=secret)
         with grpc.insecure_channel(f"127.0.0.1:{node.grpc_port}") as public:
-            assert _stats(public, member.metadata(_PROTOCOL_MD)) == grpc.StatusCode.UNIMPLEMENTED
+            assert _stats(public, member.metadata(PROTOCOL_MD)) == grpc.StatusCode.UNIMPLEMENTED
         with grpc.insecure_channel(f"127.0.0.1:{node.cluster_port}") as internal:
             assert _stats(internal) == grpc.StatusCode.UNAUTHENTICATED  # nothing sent
             wrong = PeerAuth(secret=b"a guess at the cluster secret")
-            assert _stats(internal, wrong.metadata(_PROTOCOL_MD)) == grpc.StatusCode.UNAUTHENTICATED
-            for md in (_PROTOCOL_MD, wrong.metadata(_PROTOCOL_MD)):  # and no stream opens
+            assert _stats(internal, wrong.metadata(PROTOCOL_MD)) == grpc.StatusCode.UNAUTHENTICATED
+            for md in (PROTOCOL_MD, wrong.metadata(PROTOCOL_MD)):  # and no stream opens
                 assert _session(internal, md) == grpc.StatusCode.UNAUTHENTICATED
-            token = member.metadata(_PROTOCOL_MD)
+            token = member.metadata(PROTOCOL_MD)
             # The right secret gets an answer (this node owns no queue "none"), and its token is single-use.
             assert _stats(internal, token) == grpc.StatusCode.NOT_FOUND
             assert _stats(internal, token) == grpc.StatusCode.UNAUTHENTICATED

@@ -174,16 +174,17 @@ class Broker:
         return DISK in self.alarms.raised
 
     @property
-    def cluster(self) -> Coordinator:
-        """The coordinator (the name predates the single-node one). Core never builds one itself: it
-        must not import coordination/, so whoever builds the broker for a front end passes one."""
+    def coordinator(self) -> Coordinator:
+        """Declarations, queue operations, users, vhosts, policies, parameters, holds, members
+        (core/ports/coordinator.py). Core never builds one itself: it must not import coordination/,
+        so whoever builds the broker for a front end passes one."""
         if self._coordinator is None:
             raise RuntimeError("this broker has no coordinator: build it with "
                                "Broker(coordinator=coordination.local.LocalCoordinator(node_id))")
         return self._coordinator
 
-    @cluster.setter
-    def cluster(self, coordinator: Coordinator) -> None:
+    @coordinator.setter
+    def coordinator(self, coordinator: Coordinator) -> None:
         self._coordinator = coordinator
 
     def set_forward_congestion(self, congested: bool) -> None:

@@ -23,8 +23,7 @@ from typing import Any
 
 import grpc
 
-from core.cluster.forwarding import released
-from core.engine import access, flow, limits, publish
+from core.engine import access, entry, flow, limits, publish
 from core.engine.broker import Broker, User
 from core.engine.publish import Outcome
 from core.engine.queue import Consumer, Queue, QueueChannel
@@ -34,7 +33,7 @@ from core.engine.vhost import VirtualHost
 from core.grpc_api import leveret_pb2 as pb
 from core.grpc_api import leveret_pb2_grpc as pb_grpc
 from core.model import properties
-from core.model.errors import BrokerError, PreconditionFailed
+from core.model.errors import BrokerError
 from core.model.message import Message, QueuedMessage
 
 log = logging.getLogger("leveret.grpc")
@@ -86,15 +85,13 @@ class ApiError(Exception):
 def message_properties(
     user: User, given: Any, persistent: bool
 ) -> tuple[bytes, properties.PropertySummary]:
-    """A pushed message's property bytes and summary; a user-id other than the caller's is refused, as in AMQP."""
+    """A pushed message's property bytes and summary, past the entry checks every front end makes
+    (core/engine/entry.py: no other user's id, an expiration in milliseconds)."""
     if not len(given):
         return _PERSISTENT if persistent else _TRANSIENT
     props = encode_properties(dict(given), persistent)
     summary = properties.scan(props)
-    if summary.user_id is not None and summary.user_id != user.name:
-        raise PreconditionFailed(
-            f"user_id property set to '{summary.user_id}' but authenticated user was '{user.name}'"
-        )
+    entry.check_properties(summary, user.name)
     return props, summary
 
 
@@ -319,7 +316,7 @@ class BrokerServicer(pb_grpc.BrokerServicer):
         for w in self.watchers:
             w.put_nowait(pb.ClusterEvent(kind=pb.ClusterEvent.KIND_UNSPECIFIED))
 
-    def _login(self, context: grpc.aio.ServicerContext) -> tuple[User, VirtualHost]:
+    def login(self, context: grpc.aio.ServicerContext) -> tuple[User, VirtualHost]:
         md = {k: v for k, v in (context.invocation_metadata() or ())}
         username, password = md.get("username"), md.get("password")
         if not isinstance(username, str) or not isinstance(password, str):
@@ -341,7 +338,7 @@ class BrokerServicer(pb_grpc.BrokerServicer):
         vh = self.broker.open_vhost(user, str(vhost))
         return user, vh
 
-    def _grants(self, user: User, vh: VirtualHost) -> access.Grants:
+    def grants(self, user: User, vh: VirtualHost) -> access.Grants:
         """The AMQP permission checks (core/engine/access.py), mapped: CreateQueue, DeleteQueue,
         CreateChannel and DeleteChannel are configure on the queue; Push and PushBatch are a
         publish to the default exchange (write on ``amq.default``); Subscribe is read on the queue."""
@@ -397,10 +394,10 @@ class BrokerServicer(pb_grpc.BrokerServicer):
     # -- queues ------------------------------------------------------------------
     async def CreateQueue(self, request: pb.CreateQueueRequest, context: Any) -> pb.QueueInfo:
         async with _errors(context):
-            user, vh = self._login(context)
+            user, vh = self.login(context)
             if not request.name:
                 raise ApiError(grpc.StatusCode.INVALID_ARGUMENT, "a queue name is required")
-            access.check(self._grants(user, vh), "configure", "queue", request.name)
+            access.check(self.grants(user, vh), "configure", "queue", request.name)
             limits.check_queue(vh.name, self.broker.vhost_limits.get(vh.name, {}), vh.queues, request.name)
             if request.name in vh.queues and not request.exist_ok:
                 raise ApiError(grpc.StatusCode.ALREADY_EXISTS,
@@ -410,32 +407,32 @@ class BrokerServicer(pb_grpc.BrokerServicer):
                 arguments["x-max-length"] = request.max_length
             if request.message_ttl_ms:
                 arguments["x-message-ttl"] = request.message_ttl_ms
-            q = await self.broker.cluster.declare_queue(vh, request.name, GRPC_OWNER, request.durable, False,
+            q = await self.broker.coordinator.declare_queue(vh, request.name, GRPC_OWNER, request.durable, False,
                                                         request.auto_delete, arguments)
             return self._queue_info(q)
         raise AssertionError("unreachable")
 
     async def DeleteQueue(self, request: pb.DeleteQueueRequest, context: Any) -> pb.DeleteQueueResponse:
         async with _errors(context):
-            user, vh = self._login(context)
-            access.check(self._grants(user, vh), "configure", "queue", request.name)
+            user, vh = self.login(context)
+            access.check(self.grants(user, vh), "configure", "queue", request.name)
             self._queue(vh, request.name)  # NOT_FOUND for a missing queue, unlike AMQP
-            n = await self.broker.cluster.delete_queue(vh, request.name, GRPC_OWNER, request.if_unused,
+            n = await self.broker.coordinator.delete_queue(vh, request.name, GRPC_OWNER, request.if_unused,
                                                        request.if_empty)
             return pb.DeleteQueueResponse(messages_dropped=n)
         raise AssertionError("unreachable")
 
     async def ListQueues(self, request: pb.ListQueuesRequest, context: Any) -> pb.ListQueuesResponse:
         async with _errors(context):
-            _, vh = self._login(context)
+            _, vh = self.login(context)
             return pb.ListQueuesResponse(queues=[self._queue_info(q) for q in vh.queues.values()])
         raise AssertionError("unreachable")
 
     # -- channels ----------------------------------------------------------------
     async def CreateChannel(self, request: pb.CreateChannelRequest, context: Any) -> pb.ChannelInfo:
         async with _errors(context):
-            user, vh = self._login(context)
-            access.check(self._grants(user, vh), "configure", "queue", request.queue)
+            user, vh = self.login(context)
+            access.check(self.grants(user, vh), "configure", "queue", request.queue)
             q = self._not_stream(self._queue(vh, request.queue))
             name = request.name or f"ch-{next(self._channel_names)}-{os.urandom(3).hex()}"
             if "/" in name:
@@ -451,9 +448,9 @@ class BrokerServicer(pb_grpc.BrokerServicer):
 
     async def DeleteChannel(self, request: pb.DeleteChannelRequest, context: Any) -> pb.DeleteChannelResponse:
         async with _errors(context):
-            user, vh = self._login(context)
+            user, vh = self.login(context)
             ch = self._channel(vh, request.id)
-            access.check(self._grants(user, vh), "configure", "queue", ch.queue.name)
+            access.check(self.grants(user, vh), "configure", "queue", ch.queue.name)
             if ch is ch.queue.default:
                 raise ApiError(grpc.StatusCode.FAILED_PRECONDITION,
                                "the default channel goes with its queue (DeleteQueue)")
@@ -463,7 +460,7 @@ class BrokerServicer(pb_grpc.BrokerServicer):
 
     async def ListChannels(self, request: pb.ListChannelsRequest, context: Any) -> pb.ListChannelsResponse:
         async with _errors(context):
-            _, vh = self._login(context)
+            _, vh = self.login(context)
             queues = [self._queue(vh, request.queue)] if request.queue else list(vh.queues.values())
             return pb.ListChannelsResponse(
                 channels=[self._channel_info(ch) for q in queues for ch in q.channels]
@@ -485,7 +482,7 @@ class BrokerServicer(pb_grpc.BrokerServicer):
             raise ApiError(grpc.StatusCode.RESOURCE_EXHAUSTED, f"queue '{q.name}' is full (x-overflow)")
         return message, offset, outcome
 
-    async def _committed(self) -> None:
+    async def committed(self) -> None:
         """Wait for the group commit of everything so far (a committed stream offset)."""
         committer = self.broker.committer
         assert committer is not None
@@ -502,8 +499,8 @@ class BrokerServicer(pb_grpc.BrokerServicer):
 
     async def Push(self, request: pb.PushRequest, context: Any) -> pb.PushResponse:
         async with _errors(context):
-            user, vh = self._login(context)
-            access.publish(self._grants(user, vh), "")
+            user, vh = self.login(context)
+            entry.target(vh, self.grants(user, vh), "", request.queue)  # a publish to the default exchange
             q = self._queue(vh, request.queue)
             # A resource alarm (memory, disk) holds pushes as it blocks AMQP publishers.
             await self.broker.alarms.wait_clear()
@@ -514,15 +511,15 @@ class BrokerServicer(pb_grpc.BrokerServicer):
             finally:
                 flow.swap(previous)
             # Flow control: while the queue is behind its consumers the answer waits.
-            await released(call)
+            await flow.released(call)
             await self.settled([outcome])
             return pb.PushResponse(id=message.id, offset=offset)
         raise AssertionError("unreachable")
 
     async def PushBatch(self, request: pb.PushBatchRequest, context: Any) -> pb.PushBatchResponse:
         async with _errors(context):
-            user, vh = self._login(context)
-            access.publish(self._grants(user, vh), "")
+            user, vh = self.login(context)
+            entry.target(vh, self.grants(user, vh), "", request.queue)  # a publish to the default exchange
             q = self._queue(vh, request.queue)
             response = pb.PushBatchResponse()
             add = response.results.add
@@ -536,7 +533,7 @@ class BrokerServicer(pb_grpc.BrokerServicer):
                 if i and not i % PUSH_SLICE:
                     # A loop turn between slices for everyone else; wait while flow control holds.
                     await asyncio.sleep(0)
-                    await released(call)
+                    await flow.released(call)
                     if q.deleted:
                         raise ApiError(grpc.StatusCode.NOT_FOUND,
                                        f"queue '{q.name}' was deleted during the batch; the {i} before it were pushed")
@@ -551,7 +548,7 @@ class BrokerServicer(pb_grpc.BrokerServicer):
                 add(id=message.id, offset=offset)
                 if not outcome.settled:
                     outcomes.append(outcome)
-            await released(call)
+            await flow.released(call)
             await self.settled(outcomes)
             return response
         raise AssertionError("unreachable")
@@ -561,9 +558,9 @@ class BrokerServicer(pb_grpc.BrokerServicer):
         sub: Subscription | None = None
         try:
             async with _errors(context):
-                user, vh = self._login(context)
+                user, vh = self.login(context)
                 qch = self._channel(vh, request.channel_id)
-                access.read_queue(self._grants(user, vh), qch.queue.name)
+                access.read_queue(self.grants(user, vh), qch.queue.name)
                 if qch is not qch.queue.default:
                     self._owned_here(qch.queue, "subscribe to channels other than the default one")
                 sub = Subscription(
@@ -624,20 +621,20 @@ class BrokerServicer(pb_grpc.BrokerServicer):
 
     async def Ack(self, request: pb.AckRequest, context: Any) -> pb.AckResponse:
         async with _errors(context):
-            user, vh = self._login(context)
+            user, vh = self.login(context)
             return self._settle(request.delivery_ids, None, (user.name, vh.name))
         raise AssertionError("unreachable")
 
     async def Nack(self, request: pb.NackRequest, context: Any) -> pb.AckResponse:
         async with _errors(context):
-            user, vh = self._login(context)
+            user, vh = self.login(context)
             return self._settle(request.delivery_ids, request.requeue, (user.name, vh.name))
         raise AssertionError("unreachable")
 
     # -- cluster -----------------------------------------------------------------
     async def WatchCluster(self, request: pb.WatchClusterRequest, context: Any) -> AsyncIterator[pb.ClusterEvent]:
         async with _errors(context):
-            self._login(context)
+            self.login(context)
         events: asyncio.Queue[pb.ClusterEvent] = asyncio.Queue()
         self.watchers.append(events)
         try:
@@ -653,7 +650,7 @@ class BrokerServicer(pb_grpc.BrokerServicer):
 
     async def Nodes(self, request: pb.NodesRequest, context: Any) -> pb.NodesResponse:
         async with _errors(context):
-            self._login(context)
+            self.login(context)
             members = (self.members() if self.members is not None
                        else [{"id": self.broker.node_id, "region": self.region}])
             return pb.NodesResponse(node=self.broker.node_id, region=self.region,

@@ -185,7 +185,7 @@ def protocols(call: Call) -> dict[str, int]:
         out["amqp/ssl"] = amqps
     if cfg.prometheus_port:
         out["http/prometheus"] = cfg.prometheus_port
-    if cfg.cluster_port and call.node.cluster is not None:
+    if cfg.cluster_port and call.node.peers is not None:
         out["clustering"] = cfg.cluster_port
     if cfg.grpc_port:
         out["grpc"] = cfg.grpc_port  # Leveret's own (docs/GRPC.md)

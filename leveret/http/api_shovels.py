@@ -8,6 +8,7 @@ from core.ports.store import StoreError
 from leveret.http import listing
 from leveret.http.errors import HttpError, bad_request, not_found
 from leveret.http.responses import no_content
+from leveret.links.shovel.manager import HOLD
 from leveret.links.shovel.spec import ParameterError, ShovelError
 
 if TYPE_CHECKING:
@@ -80,6 +81,6 @@ async def shovel_restart(call: Call) -> Any:
     if manager is None or (vh.name, name) not in manager.specs:
         raise not_found(f"shovel '{name}' not found")
     if not await manager.restart(vh.name, name):
-        node = await manager.holder.holder(vh.name, name)
+        node = await call.broker.coordinator.holder(HOLD, vh.name, name)
         raise bad_request(f"shovel '{name}' runs on node {node or '(none yet)'}: restart it there")
     return no_content()

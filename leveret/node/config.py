@@ -63,6 +63,11 @@ class NodeConfig:
     etcd_user: str = ""
     etcd_password: str = ""
     prometheus_port: int = 15692
+    # -- MQTT (docs/MQTT.md)
+    mqtt_port: int = 1883
+    mqtt_tls_port: int = -1
+    mqtt_ws_port: int = 15675
+    mqtt_vhost: str = "/"
 
     @property
     def resolved_node_id(self) -> str:
@@ -74,6 +79,13 @@ class NodeConfig:
         if self.amqps_port >= 0:
             return self.amqps_port if self.tls_cert else 0
         return 5671 if self.tls_cert else 0
+
+    @property
+    def resolved_mqtt_tls_port(self) -> int:
+        """The MQTT-over-TLS port: 8883 by default once a certificate is configured, 0 (none) otherwise."""
+        if self.mqtt_tls_port >= 0:
+            return self.mqtt_tls_port if self.tls_cert else 0
+        return 8883 if self.tls_cert else 0
 
 
 HELP = {
@@ -118,6 +130,10 @@ HELP = {
     "when binding to all addresses)",
     "retention_interval": "run the retention job (docs/RETENTION.md) every this many seconds in a subprocess, "
     "one run at a time (0: never)",
+    "mqtt_port": "MQTT 3.1.1/5.0 port (docs/MQTT.md); 0 disables",
+    "mqtt_tls_port": "MQTT over TLS port (the --tls-cert of AMQPS); -1: 8883 when --tls-cert is set, 0: none",
+    "mqtt_ws_port": "MQTT over WebSocket port (path /ws, as RabbitMQ's Web-MQTT); 0 disables",
+    "mqtt_vhost": "vhost of MQTT connections whose user name does not name one ('vhost:user')",
     "amqps_port": "AMQP over TLS port; -1: 5671 when --tls-cert is set, 0: no TLS listener",
     "tls_cert": "PEM certificate chain of this node (AMQPS, and gRPC with --grpc-tls); SIGHUP reloads it",
     "tls_key": "PEM private key of --tls-cert",
@@ -232,6 +248,8 @@ def validate(cfg: NodeConfig) -> None:
         raise ConfigError("--tls-verify peer needs --tls-ca: the CA that client certificates are checked against")
     if cfg.amqps_port > 0 and not cfg.tls_cert:
         raise ConfigError("--amqps-port needs --tls-cert and --tls-key")
+    if cfg.mqtt_tls_port > 0 and not cfg.tls_cert:
+        raise ConfigError("--mqtt-tls-port needs --tls-cert and --tls-key")
     if cfg.grpc_tls and not cfg.tls_cert:
         raise ConfigError("--grpc-tls needs --tls-cert and --tls-key")
     if cfg.http_tls and not cfg.tls_cert:
