@@ -156,6 +156,10 @@ class Broker:
         self.access = AccessTable(self)
         # Told when a user is deleted: the front ends close its connections (320, as RabbitMQ).
         self.on_user_deleted: list[Callable[[str], None]] = []
+        # Told after any change to a user (permissions, tags, password record, deletion): what runs
+        # on the user's behalf outside AMQP (gRPC subscriptions and watches, shovels, federation
+        # links) checks again that it may go on.
+        self.on_user_changed: list[Callable[[str], None]] = []
         # Vhost limits (vhost -> max-connections/max-queues) and the open connections they count.
         self.vhost_limits: dict[str, dict[str, int]] = {}
         self.limits = limits.Tracker()
@@ -223,10 +227,16 @@ class Broker:
         """Add or replace a user (new password, tags, permissions): applies to open connections at once."""
         self.users[user.name] = user
         self.access.user_changed(user.name)
+        self._tell_user_changed(user.name)
 
     def user_changed(self, name: str) -> None:
         """A user's permissions were changed in place."""
         self.access.user_changed(name)
+        self._tell_user_changed(name)
+
+    def _tell_user_changed(self, name: str) -> None:
+        for listener in list(self.on_user_changed):
+            listener(name)
 
     def delete_user(self, name: str) -> bool:
         """Remove a user; its open connections are closed by the front ends' listeners."""
@@ -235,6 +245,7 @@ class Broker:
         if found:
             for listener in list(self.on_user_deleted):
                 listener(name)
+            self._tell_user_changed(name)
         return found
 
     def authenticate(self, username: str, password: str, peer_host: str | None) -> User:

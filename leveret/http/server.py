@@ -110,6 +110,26 @@ class Call:
         return data
 
 
+# Methods that change state. A browser sends these cross-origin without asking first (no CORS
+# preflight) only with a form's content types (text/plain, urlencoded, multipart): refusing every
+# content type but JSON is what keeps another site's page from driving the API with the console
+# user's remembered credentials (CSRF).
+_CHANGING = frozenset({"POST", "PUT", "PATCH", "DELETE"})
+
+
+def _json_only(request: web.Request) -> None:
+    """415 for a state-changing request with a body (or a declared type) that is not application/json."""
+    if request.method not in _CHANGING:
+        return
+    declared = request.headers.get("Content-Type")
+    if declared is None and not request.body_exists:
+        return  # `curl -X DELETE`: nothing to decode, nothing a form could have sent
+    if request.content_type != "application/json":
+        raise HttpError(415, "unsupported_media_type",
+                        f"a {request.method} request's body must be JSON sent as Content-Type: application/json "
+                        f"(got {declared or 'none'})")
+
+
 class ManagementAPI:
     def __init__(self, node: NodeView) -> None:
         self.node = node
@@ -181,6 +201,7 @@ class ManagementAPI:
             if method not in route.methods:
                 raise HttpError(405, "Method Not Allowed", f"{request.method} is not allowed here")
             handler, access = route.methods[method]
+            _json_only(request)
             user = self._authenticate(request)
             if access == "administrator" and "administrator" not in user.tags:
                 raise not_authorised("Not administrator user")
