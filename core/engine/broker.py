@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import base64
 import hashlib
+import hmac
 import ipaddress
+import secrets
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -160,6 +162,10 @@ class Broker:
         # on the user's behalf outside AMQP (gRPC subscriptions and watches, shovels, federation
         # links) checks again that it may go on.
         self.on_user_changed: list[Callable[[str], None]] = []
+        # Shovels and federation links whose URI has no host log in to this node as the user who set
+        # them with this in-process password (leveret/links/identity.py), from loopback only; it never
+        # leaves the process, so no user's password is needed or stored for them.
+        self.link_token = secrets.token_urlsafe(32)
         # Vhost limits (vhost -> max-connections/max-queues) and the open connections they count.
         self.vhost_limits: dict[str, dict[str, int]] = {}
         self.limits = limits.Tracker()
@@ -251,6 +257,9 @@ class Broker:
     def authenticate(self, username: str, password: str, peer_host: str | None) -> User:
         """The user, or AccessRefused; a failure counts against ``peer_host`` (``login_throttle``)."""
         user = self.users.get(username)
+        if (user is not None and is_loopback(peer_host)
+                and hmac.compare_digest(password.encode(), self.link_token.encode())):
+            return user  # a shovel or federation link acting as its owner (leveret/links/identity.py)
         if user is not None and self.recent_logins.known(username, user.password_hash, password):
             ok, rehash = True, False
         else:
