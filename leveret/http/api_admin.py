@@ -23,6 +23,7 @@ from leveret.http.errors import bad_request, not_found
 from leveret.http.rates import add_stats, stats_json
 from leveret.http.responses import created, json_response, no_content
 from leveret.http.views import LEVERET_PHC, queue_counts, user_json
+from leveret.links import identity
 from leveret.node import resources
 from leveret.node.regions import regions_of
 
@@ -539,7 +540,8 @@ async def policy_delete(call: Call) -> web.Response:
 
 # -- parameters -----------------------------------------------------------------
 def _parameter_json(vh: VirtualHost, component: str, name: str, value: Any) -> dict[str, Any]:
-    return {"vhost": vh.name, "component": component, "name": name, "value": value}
+    return {"vhost": vh.name, "component": component, "name": name,
+            "value": identity.without_owner(component, value)}
 
 
 async def parameters(call: Call) -> Any:

@@ -28,7 +28,8 @@ from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any
 from urllib.parse import unquote, urlsplit
 
-from leveret.links.shovel.spec import ParameterError, redact
+from leveret.links.federation.spec import UPSTREAM
+from leveret.links.shovel.spec import COMPONENT, ParameterError, redact
 
 if TYPE_CHECKING:
     from core.engine.broker import Broker, User
@@ -54,6 +55,15 @@ def uri_vhost(uri: str) -> str:
 def owner_of(value: Any) -> str | None:
     owner = value.get(OWNER_KEY) if isinstance(value, dict) else None
     return owner if isinstance(owner, str) and owner else None
+
+
+def without_owner(component: str, value: Any) -> Any:
+    """A parameter's value as the API shows and exports it: RabbitMQ's keys only (its validation refuses
+    others, and tools compare values), so the owner stays in the store; an import makes the importing
+    user the owner."""
+    if component in (COMPONENT, UPSTREAM) and isinstance(value, dict) and OWNER_KEY in value:
+        return {k: v for k, v in value.items() if k != OWNER_KEY}
+    return value
 
 
 def stamped(broker: Broker, value: Any, acting: User) -> Any:
