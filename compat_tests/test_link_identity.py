@@ -87,6 +87,10 @@ def test_a_direct_uri_to_a_vhost_the_setter_may_not_use_is_refused(node: NodePro
     assert reply.status == 403, reply
     upstream = pm.request("PUT", "/api/parameters/federation-upstream/A/up", {"value": {"uri": "amqp:///%2F"}})
     assert upstream.status == 403, upstream
+    # Nor through an upstream set's override of another upstream's uri.
+    overriding = pm.request("PUT", "/api/parameters/federation-upstream-set/A/s",
+                            {"value": [{"upstream": "admins", "uri": "amqp:///%2F"}]})
+    assert overriding.status == 403, overriding
     admin = _admin(node)
     assert admin.get("/api/parameters/shovel") == []
     assert admin.get("/api/queues/%2F/victim")["messages"] == 3
