@@ -190,7 +190,6 @@ class Subscription:
         self.wakeup = asyncio.Event()
         self.cancelled = False
         self.closed = False
-        self.revoked: str | None = None  # why the subscriber may no longer read (user deleted, permission gone)
         tag = f"grpc-{os.urandom(6).hex()}"
         self.consumer = Consumer(tag, qch, self, no_ack=auto_ack, prefetch=prefetch)
 
