@@ -86,7 +86,8 @@ def test_another_connections_exclusive_queue_is_locked_on_every_path(node: NodeP
         path = "/api/queues/%2F/alice.excl"
         for method, sub, body in (("POST", "/get", {"count": 1, "ackmode": "ack_requeue_false", "encoding": "auto"}),
                                   ("DELETE", "/contents", None), ("DELETE", "", None),
-                                  ("POST", "/channels", {"name": "spy", "topic": ""})):
+                                  ("POST", "/channels", {"name": "spy", "topic": ""}),
+                                  ("PUT", "", {"durable": False, "auto_delete": False})):
             reply = admin.request(method, path + sub, body)
             # RabbitMQ runs these as AMQP methods and answers the channel error as 400 "405 RESOURCE_LOCKED - ...".
             assert reply.status == 400, (method, sub, reply)

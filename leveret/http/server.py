@@ -24,7 +24,7 @@ from aiohttp import web
 from core.engine.access import Grants
 from core.engine.broker import User
 from core.engine.vhost import VirtualHost
-from core.model.errors import AccessRefused, BrokerError, NotFound
+from core.model.errors import AccessRefused, BrokerError, NotFound, ResourceLocked
 from leveret.http import (
     api_admin,
     api_conns,
@@ -216,6 +216,8 @@ class ManagementAPI:
             return self._error(request, not_found(exc.text))
         except AccessRefused as exc:
             return self._error(request, HttpError(403, "access_refused", exc.text))
+        except ResourceLocked as exc:  # another connection's exclusive queue: RabbitMQ's AMQP text, as 400
+            return self._error(request, bad_request(f"405 {exc.reply_text}"))
         except BrokerError as exc:
             return self._error(request, bad_request(exc.text))
         except web.HTTPException:
