@@ -16,6 +16,7 @@ from pathlib import Path
 import grpc
 import pytest
 
+from compat_tests.mgmt_http import Mgmt, wait_http
 from compat_tests.node_process import NodeProcess
 from core.grpc_api import leveret_pb2 as pb
 from core.grpc_api import leveret_pb2_grpc as pb_grpc
@@ -81,6 +82,24 @@ def test_unauthenticated_large_pushes_are_refused_before_their_body_is_read(node
           f"pushes {peak} MiB")
     assert codes == [grpc.StatusCode.UNAUTHENTICATED] * 4
     assert peak - rest < 64, f"the node took {peak - rest} MiB for refused calls"
+
+
+def test_credentials_that_stop_working_take_the_checked_path_again(node: NodeProcess) -> None:
+    """Pushes with credentials that logged in skip the detour; a password change ends that at once."""
+    mgmt = Mgmt(f"http://127.0.0.1:{node.management_port}", "guest", "guest", node.url, leveret=True)
+    wait_http(mgmt)
+    mgmt.ok("PUT", "/api/users/pusher", {"password": "old", "tags": ""})
+    mgmt.ok("PUT", "/api/permissions/%2F/pusher", {"configure": ".*", "write": ".*", "read": ".*"})
+    old = (("username", "pusher"), ("password", "old"))
+    with grpc.insecure_channel(f"127.0.0.1:{node.grpc_port}", options=OPTIONS) as channel:
+        stub = pb_grpc.BrokerStub(channel)
+        stub.CreateQueue(pb.CreateQueueRequest(name="pushed", exist_ok=True), metadata=old, timeout=10)
+        stub.Push(pb.PushRequest(queue="pushed", content=b"ok"), metadata=old, timeout=10)
+        mgmt.ok("PUT", "/api/users/pusher", {"password": "new", "tags": ""})
+        before = _status(node.pid, "VmHWM")
+        assert _code(lambda: stub.Push(pb.PushRequest(queue="pushed", content=b"\x00" * BIG), metadata=old,
+                                       timeout=60)) == grpc.StatusCode.UNAUTHENTICATED
+        assert _status(node.pid, "VmHWM") - before < 64
 
 
 def test_administrative_calls_have_a_small_receive_limit(node: NodeProcess) -> None:
