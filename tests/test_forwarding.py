@@ -60,8 +60,8 @@ async def pair() -> AsyncIterator[tuple[Broker, Broker, Queue, Queue, Peers]]:
     other = Broker(node_id="a")
     q_owner = owner.vhosts["/"].declare_queue("q", None, durable=True)
     q_remote = other.vhosts["/"].declare_queue("q", None, durable=True)
-    server = grpc.aio.server()
     auth = PeerAuth(secret=b"a test cluster secret")
+    server = grpc.aio.server(interceptors=[auth.server_interceptor()])  # as the cluster port's (auth.py)
     internal_pb2_grpc.add_NodeServicer_to_server(NodeService(owner, await _owned_by(owner), auth), server)
     port = server.add_insecure_port("127.0.0.1:0")
     await server.start()
@@ -305,11 +305,21 @@ async def test_a_caller_without_the_cluster_secret_is_refused(pair: Any) -> None
     assert link is not None
     stranger = PeerAuth(secret=b"not the cluster's secret")
     ref = internal_pb2.QueueRef(vhost="/", queue="q")
-    token = link.auth.metadata(PROTOCOL_MD)
+    stats, purge = "/leveret.internal.v1.Node/Stats", "/leveret.internal.v1.Node/Purge"
+    token = link.auth.metadata(PROTOCOL_MD, stats)
     await link.stub.Stats(ref, timeout=5, metadata=token)  # the genuine token works once
-    for metadata in (PROTOCOL_MD, stranger.metadata(PROTOCOL_MD), token):
+    with pytest.raises(grpc.aio.AioRpcError) as info:
+        await link.stub.Stats(ref, timeout=5, metadata=token)
+    assert info.value.code() == grpc.StatusCode.UNAUTHENTICATED
+    # A token covers its method: one minted for Stats does not open Purge, even unused.
+    for metadata in (stranger.metadata(PROTOCOL_MD, purge), link.auth.metadata(PROTOCOL_MD, stats)):
         with pytest.raises(grpc.aio.AioRpcError) as info:
             await link.stub.Purge(ref, timeout=5, metadata=metadata)
+        assert info.value.code() == grpc.StatusCode.UNAUTHENTICATED
+    # No token at all: a channel of its own (the link's channel adds one to every call).
+    async with grpc.aio.insecure_channel(link.address) as bare:
+        with pytest.raises(grpc.aio.AioRpcError) as info:
+            await internal_pb2_grpc.NodeStub(bare).Purge(ref, timeout=5, metadata=PROTOCOL_MD)
         assert info.value.code() == grpc.StatusCode.UNAUTHENTICATED
     assert q_owner.message_count == 1  # nothing was purged
     assert (await link.stats("/", "q")) == (1, 0)

@@ -136,8 +136,8 @@ async def cluster(tmp_path: Path) -> AsyncIterator[tuple[Broker, GroupCommitter,
         q = b.vhosts[vhost].queues.get(queue)
         return q if q is not None and q.remote is None else None
 
-    server = grpc.aio.server()
     auth = PeerAuth(secret=b"a test cluster secret")
+    server = grpc.aio.server(interceptors=[auth.server_interceptor()])  # as the cluster port's (auth.py)
     pb_grpc.add_NodeServicer_to_server(NodeService(b, owned, auth), server)
     port = server.add_insecure_port("127.0.0.1:0")
     await server.start()

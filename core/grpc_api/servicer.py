@@ -33,7 +33,7 @@ from core.engine.vhost import VirtualHost
 from core.grpc_api import leveret_pb2 as pb
 from core.grpc_api import leveret_pb2_grpc as pb_grpc
 from core.model import properties
-from core.model.errors import BrokerError
+from core.model.errors import AccessRefused, BrokerError
 from core.model.message import Message, QueuedMessage
 
 log = logging.getLogger("leveret.grpc")
@@ -265,7 +265,11 @@ class BrokerServicer(pb_grpc.BrokerServicer):
         self.broker = broker
         self.delivery_ids = itertools.count(1)
         self.deliveries: dict[int, Subscription] = {}
-        self.watchers: list[asyncio.Queue[pb.ClusterEvent]] = []
+        self.watchers: list[Watcher] = []
+        # Live streams (Subscribe, WatchCluster, Streams.Subscribe): each checks again, when its
+        # user changes, that the user may still read; one that may not ends (docs/SECURITY.md).
+        self.live: set[LiveCall] = set()
+        broker.on_user_changed.append(self._user_changed)
         self._channel_names = itertools.count(1)
         # (username, password, peer host) -> user: one PBKDF2 check per client, not per call.
         self._logins: dict[tuple[str, bytes, str | None], User] = {}
@@ -274,10 +278,17 @@ class BrokerServicer(pb_grpc.BrokerServicer):
         self.region = ""
         # Each member: NodeEntry's fields (id, region, grpc, amqp, queues, draining).
         self.members: Callable[[], list[dict[str, Any]]] | None = None
-        for vh in broker.vhosts.values():
-            self._observe(vh)
+        self._observed: dict[str, VirtualHost] = {}
+        self._observe_all()
 
     # -- plumbing ----------------------------------------------------------------
+    def _observe_all(self) -> None:
+        """Queue events of every vhost, those added since the last call too (a new watch calls it)."""
+        for vh in self.broker.vhosts.values():
+            if self._observed.get(vh.name) is not vh:  # new, or deleted and declared again
+                self._observed[vh.name] = vh
+                self._observe(vh)
+
     def _observe(self, vh: VirtualHost) -> None:
         vh.on_queue_declared.append(lambda q: self._event(pb.ClusterEvent.QUEUE_CREATED, q))
         vh.on_queue_deleted.append(lambda q: self._event(pb.ClusterEvent.QUEUE_DELETED, q))
@@ -292,8 +303,24 @@ class BrokerServicer(pb_grpc.BrokerServicer):
             queue=q.name,
             timestamp_ms=int(time.time() * 1000),
         )
+        self._tell_watchers(ev)
+
+    def _tell_watchers(self, ev: pb.ClusterEvent) -> None:
+        """Each watcher sees node events, and queue events of the vhosts its user may use (no names
+        of other tenants' queues)."""
+        users = self.broker.users
         for w in self.watchers:
-            w.put_nowait(ev)
+            if ev.vhost:
+                user = users.get(w.user)
+                if user is None or ev.vhost not in user.vhosts:
+                    continue
+            w.events.put_nowait(ev)
+
+    def _user_changed(self, name: str) -> None:
+        for live in [c for c in self.live if c.user == name]:
+            reason = revoked(self.broker, live.user, live.vhost, live.queues)
+            if reason is not None:
+                live.end(reason, deleted=live.user not in self.broker.users)
 
     _CLUSTER_KINDS = {
         "node-added": pb.ClusterEvent.NODE_ADDED,
@@ -308,13 +335,12 @@ class BrokerServicer(pb_grpc.BrokerServicer):
             return
         ev = pb.ClusterEvent(kind=code, node=node, vhost=vhost, queue=queue,  # type: ignore[arg-type]
                              timestamp_ms=int(time.time() * 1000))
-        for w in self.watchers:
-            w.put_nowait(ev)
+        self._tell_watchers(ev)
 
     def close(self) -> None:
         """Server stopping: end every watch stream."""
         for w in self.watchers:
-            w.put_nowait(pb.ClusterEvent(kind=pb.ClusterEvent.KIND_UNSPECIFIED))
+            w.events.put_nowait(pb.ClusterEvent(kind=pb.ClusterEvent.KIND_UNSPECIFIED))
 
     def login(self, context: grpc.aio.ServicerContext) -> tuple[User, VirtualHost]:
         md = {k: v for k, v in (context.invocation_metadata() or ())}
@@ -449,8 +475,9 @@ class BrokerServicer(pb_grpc.BrokerServicer):
     async def DeleteChannel(self, request: pb.DeleteChannelRequest, context: Any) -> pb.DeleteChannelResponse:
         async with _errors(context):
             user, vh = self.login(context)
+            # The permission first: a refused caller learns nothing of what exists (no 404/403 oracle).
+            access.check(self.grants(user, vh), "configure", "queue", request.id.rpartition("/")[0])
             ch = self._channel(vh, request.id)
-            access.check(self.grants(user, vh), "configure", "queue", ch.queue.name)
             if ch is ch.queue.default:
                 raise ApiError(grpc.StatusCode.FAILED_PRECONDITION,
                                "the default channel goes with its queue (DeleteQueue)")
@@ -556,11 +583,12 @@ class BrokerServicer(pb_grpc.BrokerServicer):
     # -- subscribe ---------------------------------------------------------------
     async def Subscribe(self, request: pb.SubscribeRequest, context: Any) -> AsyncIterator[pb.SubscribeResponse]:
         sub: Subscription | None = None
+        live: LiveCall | None = None
         try:
             async with _errors(context):
                 user, vh = self.login(context)
+                access.read_queue(self.grants(user, vh), request.channel_id.rpartition("/")[0])
                 qch = self._channel(vh, request.channel_id)
-                access.read_queue(self.grants(user, vh), qch.queue.name)
                 if qch is not qch.queue.default:
                     self._owned_here(qch.queue, "subscribe to channels other than the default one")
                 sub = Subscription(
@@ -569,10 +597,12 @@ class BrokerServicer(pb_grpc.BrokerServicer):
                 )
                 qch.add_consumer(sub.consumer, dispatch=False)
             assert sub is not None
+            live = LiveCall(user.name, vh.name, (sub.qch.queue.name,), sub.wakeup.set)
+            self.live.add(live)
             # Headers first: the client knows the subscription is in place before any message.
             await context.send_initial_metadata(())
             sub.qch.dispatch()
-            while True:
+            while live.ended is None:
                 if not sub.pending:
                     if sub.cancelled:
                         break
@@ -582,8 +612,12 @@ class BrokerServicer(pb_grpc.BrokerServicer):
                 yield sub.take_batch()
                 if sub.auto_ack and not sub.cancelled:
                     sub.qch.dispatch()  # buffer space freed
+            if live.ended is not None:
+                await context.abort(live.status, live.ended)
             await context.abort(grpc.StatusCode.NOT_FOUND, f"queue '{sub.qch.queue.name}' or its channel was deleted")
         finally:
+            if live is not None:
+                self.live.discard(live)
             if sub is not None:
                 sub.close()
 
@@ -634,19 +668,26 @@ class BrokerServicer(pb_grpc.BrokerServicer):
     # -- cluster -----------------------------------------------------------------
     async def WatchCluster(self, request: pb.WatchClusterRequest, context: Any) -> AsyncIterator[pb.ClusterEvent]:
         async with _errors(context):
-            self.login(context)
-        events: asyncio.Queue[pb.ClusterEvent] = asyncio.Queue()
-        self.watchers.append(events)
+            user, vh = self.login(context)
+        self._observe_all()
+        watcher = Watcher(user.name)
+        # Ended (user deleted, vhost access gone): the empty event wakes the loop, which then aborts.
+        live = LiveCall(user.name, vh.name, (), lambda: watcher.events.put_nowait(pb.ClusterEvent()))
+        self.watchers.append(watcher)
+        self.live.add(live)
         try:
             yield pb.ClusterEvent(kind=pb.ClusterEvent.NODE_UP, node=self.broker.node_id,
                                   timestamp_ms=int(time.time() * 1000))
             while True:
-                ev = await events.get()
+                ev = await watcher.events.get()
+                if live.ended is not None:
+                    await context.abort(live.status, live.ended)
                 if ev.kind == pb.ClusterEvent.KIND_UNSPECIFIED:
                     return
                 yield ev
         finally:
-            self.watchers.remove(events)
+            self.live.discard(live)
+            self.watchers.remove(watcher)
 
     async def Nodes(self, request: pb.NodesRequest, context: Any) -> pb.NodesResponse:
         async with _errors(context):
@@ -656,6 +697,49 @@ class BrokerServicer(pb_grpc.BrokerServicer):
             return pb.NodesResponse(node=self.broker.node_id, region=self.region,
                                     nodes=[pb.NodeEntry(**m) for m in members])
         raise AssertionError("unreachable")
+
+
+class Watcher:
+    """One WatchCluster stream: its user (events are filtered by what it may see) and its queue."""
+
+    def __init__(self, user: str) -> None:
+        self.user = user
+        self.events: asyncio.Queue[pb.ClusterEvent] = asyncio.Queue()
+
+
+class LiveCall:
+    """A stream running on a user's behalf; ``end`` stops it with the reason (its loop aborts)."""
+
+    def __init__(self, user: str, vhost: str, queues: tuple[str, ...], wake: Callable[[], None]) -> None:
+        self.user = user
+        self.vhost = vhost
+        self.queues = queues  # what it reads: read permission on each is needed to go on
+        self.wake = wake
+        self.ended: str | None = None
+        self.status = grpc.StatusCode.PERMISSION_DENIED
+
+    def end(self, reason: str, deleted: bool = False) -> None:
+        if self.ended is None:
+            self.ended = reason
+            if deleted:
+                self.status = grpc.StatusCode.UNAUTHENTICATED
+            self.wake()
+
+
+def revoked(broker: Broker, username: str, vhost: str, queues: tuple[str, ...]) -> str | None:
+    """Why ``username`` may no longer read ``queues`` of ``vhost`` (None: it still may)."""
+    user = broker.users.get(username)
+    if user is None:
+        return f"user '{username}' was deleted"
+    if vhost not in user.vhosts:
+        return f"access to vhost '{vhost}' refused for user '{username}'"
+    grants = broker.access.grants(username, vhost)
+    for queue in queues:
+        try:
+            access.read_queue(grants, queue)
+        except AccessRefused as exc:
+            return exc.text
+    return None
 
 
 def _peer_host(peer: str) -> str | None:

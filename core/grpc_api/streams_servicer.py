@@ -45,6 +45,7 @@ from core.grpc_api.servicer import (
     DEFAULT_PREFETCH,
     ApiError,
     BrokerServicer,
+    LiveCall,
     _errors,
     decode_properties,
     message_properties,
@@ -297,6 +298,7 @@ class StreamsServicer(pb_grpc.StreamsServicer):
 
     async def Subscribe(self, request: pb.StreamSubscribeRequest, context: Any) -> AsyncIterator[pb.StreamMessages]:
         sub: StreamSubscription | None = None
+        live: LiveCall | None = None
         try:
             async with _errors(context):
                 user, vh = self.api.login(context)
@@ -306,9 +308,14 @@ class StreamsServicer(pb_grpc.StreamsServicer):
                 sub = StreamSubscription(request.prefetch or DEFAULT_PREFETCH, request.max_batch or DEFAULT_BATCH)
                 group = request.group or None
                 tag = f"grpc-stream-{next(self._tags)}"
+                read: list[str] = []
                 for topic, value in sorted(request.offsets.items()):
                     spec = offset_spec(value, request.from_timestamp_ms)
+                    if partition.exchange_of(vh, topic) is None:
+                        # The permission before the lookup: a refused caller learns nothing of what exists.
+                        access.read_queue(grants, topic)
                     for q in partition.resolve(vh, topic):
+                        read.append(q.name)
                         access.read_queue(grants, q.name)
                         reader: LogChannel
                         remote = await _owner(q)
@@ -320,9 +327,11 @@ class StreamsServicer(pb_grpc.StreamsServicer):
                                                    commit_on_settle=request.auto_commit)
                         sub.add(topic, reader, tag, remote=remote is not None)
             assert sub is not None
+            live = LiveCall(user.name, vh.name, tuple(read), sub.wakeup.set)
+            self.api.live.add(live)
             await context.send_initial_metadata(())
             sub.dispatch()
-            while True:
+            while live.ended is None:
                 if not sub.pending:
                     if sub.cancelled:
                         break
@@ -332,10 +341,14 @@ class StreamsServicer(pb_grpc.StreamsServicer):
                 batch, taken = sub.take_batch()
                 yield batch
                 sub.sent(taken)
+            if live.ended is not None:  # the user was deleted or lost read permission
+                await context.abort(live.status, live.ended)
             if sub.moved:
                 await context.abort(grpc.StatusCode.UNAVAILABLE, "a stream of this subscription moved to another "
                                     "node or lost its owner; subscribe again to resume")
             await context.abort(grpc.StatusCode.NOT_FOUND, "a stream of this subscription was deleted")
         finally:
+            if live is not None:
+                self.api.live.discard(live)
             if sub is not None:
                 sub.close()

@@ -12,17 +12,18 @@ from typing import TYPE_CHECKING, Any
 
 from aiohttp import web
 
-from core.engine import limits
+from core.engine import access, limits
 from core.engine.broker import RABBIT_SHA256, Permission, User
 from core.engine.stats import QUEUE_FIELDS, queue_counters
 from core.model.policy import Policy, PolicyError
 from leveret import __version__
 from leveret.http import api_operator, api_shovels, listing
-from leveret.http.api_topology import owner_counts
+from leveret.http.api_topology import _refusal, owner_counts
 from leveret.http.errors import bad_request, not_found
 from leveret.http.rates import add_stats, stats_json
 from leveret.http.responses import created, json_response, no_content
 from leveret.http.views import LEVERET_PHC, queue_counts, user_json
+from leveret.links import identity
 from leveret.node import resources
 from leveret.node.regions import regions_of
 
@@ -551,7 +552,8 @@ async def policy_delete(call: Call) -> web.Response:
 
 # -- parameters -----------------------------------------------------------------
 def _parameter_json(vh: VirtualHost, component: str, name: str, value: Any) -> dict[str, Any]:
-    return {"vhost": vh.name, "component": component, "name": name, "value": value}
+    return {"vhost": vh.name, "component": component, "name": name,
+            "value": identity.without_owner(component, value)}
 
 
 async def parameters(call: Call) -> Any:
@@ -630,6 +632,13 @@ async def aliveness(call: Call) -> Any:
     from leveret.http import declare
 
     vh = call.vhost(write=True)
+    # It declares, publishes and gets as the calling user: the same permission checks as any declare
+    # (a user may not create a queue in a vhost it may only look at, administrator or not).
+    grants = call.grants(vh)
+    with _refusal():
+        access.declare_queue(grants, "aliveness-test", {})
+        access.publish(grants, "")
+        access.read_queue(grants, "aliveness-test")
     q = await declare.declare_queue(call.broker, vh, "aliveness-test", False, False, {})
     outcome = publish.publish(call.broker, vh, None, Message("", q.name, b"\x00\x00", b"test_message",
                                                              node=call.node_name))

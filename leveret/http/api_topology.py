@@ -16,7 +16,7 @@ from core.engine.exchange import Exchange
 from core.engine.queue import Queue
 from core.engine.topic import topic_matches
 from core.model import properties
-from core.model.errors import AccessRefused, PreconditionFailed
+from core.model.errors import AccessRefused, PreconditionFailed, ResourceLocked
 from core.model.message import Message
 from core.model.policy import Policy
 from leveret.http import declare, listing
@@ -139,6 +139,18 @@ def _queue(call: Call, write: bool = False) -> tuple[VirtualHost, Queue]:
     return vh, q
 
 
+def _not_locked(vh: VirtualHost, q: Queue) -> None:
+    """Get, purge, delete and native channels after the permission check, as AMQP orders them: another
+    connection's exclusive queue is locked. No HTTP request owns a connection, so every exclusive queue
+    is. RabbitMQ's management API runs these as AMQP methods and answers the channel error 405 as 400
+    with the AMQP text."""
+    if q.exclusive_owner is not None:
+        try:
+            vh.get_queue(q.name, owner=None)
+        except ResourceLocked as exc:
+            raise bad_request(f"405 {exc.reply_text}") from None
+
+
 async def queue_get(call: Call) -> dict[str, Any]:
     _, q = _queue(call)
     counts = await owner_counts(call, [q])
@@ -176,6 +188,7 @@ async def queue_delete(call: Call) -> web.Response:
     vh, q = _queue(call, write=True)
     with _refusal():
         access.delete_queue(call.grants(vh), q.name)
+    _not_locked(vh, q)
     await declare.delete_queue(call.broker, vh, q.name, _flag(call, "if-unused"), _flag(call, "if-empty"))
     return no_content()
 
@@ -188,6 +201,7 @@ async def queue_purge(call: Call) -> web.Response:
     vh, q = _queue(call, write=True)
     with _refusal():
         access.read_queue(call.grants(vh), q.name)
+    _not_locked(vh, q)
     await declare.purge_queue(call.broker, q)
     return no_content()
 
@@ -231,6 +245,7 @@ async def queue_get_messages(call: Call) -> list[dict[str, Any]]:
     vh, q = _queue(call, write=True)
     with _refusal("get"):
         access.read_queue(call.grants(vh), q.name)
+    _not_locked(vh, q)
     if q.remote is not None and ackmode != "ack_requeue_false":
         raise bad_request(f"queue '{q.name}' is owned by node {q.remote.owner}: get with ackmode "
                           "ack_requeue_false here, or ask that node's API")
@@ -307,6 +322,7 @@ async def channel_create(call: Call) -> web.Response:
     vh, q = _queue(call, write=True)
     with _refusal():
         access.check(call.grants(vh), "configure", "queue", q.name)
+    _not_locked(vh, q)
     name, topic = body.get("name"), body.get("topic", "")
     if not isinstance(name, str) or not name or "/" in name or name == "default":
         raise bad_request("name is required: a channel name without '/', other than 'default'")
@@ -328,6 +344,7 @@ async def channel_delete(call: Call) -> web.Response:
     vh, q = _queue(call, write=True)
     with _refusal():
         access.check(call.grants(vh), "configure", "queue", q.name)
+    _not_locked(vh, q)
     ch = _find_channel(q, call.params["channel"])
     if ch is q.default:
         raise bad_request("the default channel goes with its queue")

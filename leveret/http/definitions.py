@@ -33,6 +33,7 @@ from leveret.http.api_admin import (
 from leveret.http.errors import bad_request
 from leveret.http.responses import no_content
 from leveret.http.views import jsonable, user_json
+from leveret.links import identity
 from leveret.links.federation import spec as federation_spec
 from leveret.links.shovel import spec as shovel_spec
 
@@ -83,7 +84,7 @@ async def export(call: Call) -> Any:
         out["leveret_permissions"] = [p for p in permissions if p["user"] not in portable]
         out["leveret_topic_permissions"] = [p for p in topic_permissions if p["user"] not in portable]
         out["global_parameters"] = [{"name": "cluster_name", "value": cluster_name_of(call)}]
-    out["parameters"] = [{"vhost": vh.name, "component": c, "name": n, "value": v}
+    out["parameters"] = [{"vhost": vh.name, "component": c, "name": n, "value": identity.without_owner(c, v)}
                          for vh in vhosts for (c, n), v in vh.parameters.items()]
     # RabbitMQ exports vhost limits as this parameter (checked with 3.10.8).
     out["parameters"] += [{"vhost": vh.name, "component": "vhost-limits", "name": "limits", "value": dict(lim)}

@@ -26,6 +26,8 @@ class ClusterServer:
 
     async def start(self, host: str, port: int) -> None:
         server = grpc.aio.server(
+            # Every call proves membership before its method runs (core/cluster/auth.py).
+            interceptors=[self.auth.server_interceptor()],
             options=[
                 ("grpc.max_receive_message_length", MAX_MESSAGE),
                 ("grpc.max_send_message_length", MAX_MESSAGE),

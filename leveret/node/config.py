@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import stat
 import tomllib
 from dataclasses import dataclass, fields
 from pathlib import Path
@@ -57,6 +58,7 @@ class NodeConfig:
     cluster_tls_cert: str = ""
     cluster_tls_key: str = ""
     cluster_tls_ca: str = ""
+    cluster_tls_peers: str = ""
     etcd_cacert: str = ""
     etcd_cert: str = ""
     etcd_key: str = ""
@@ -157,6 +159,8 @@ HELP = {
     "cluster_tls_cert": "PEM certificate of this node for mutual TLS between nodes",
     "cluster_tls_key": "PEM private key of --cluster-tls-cert",
     "cluster_tls_ca": "PEM CA that signed every node's cluster certificate",
+    "cluster_tls_peers": "PEM file of the other nodes' cluster certificates, when nodes do not share one "
+                         "(only a node's certificate may call the cluster port, not any of the CA's)",
     "etcd_cacert": "PEM CA of etcd's server certificate: dial etcd over TLS",
     "etcd_cert": "PEM client certificate for etcd (with --etcd-key)",
     "etcd_key": "PEM private key of --etcd-cert",
@@ -220,6 +224,18 @@ def load(config_file: str | None, overrides: dict[str, Any], environ: dict[str, 
     return cfg
 
 
+def _check_secret_mode(path: str) -> None:
+    """Refuse a cluster secret others on the host may read, as RabbitMQ refuses such an Erlang cookie
+    (a file that cannot be read is reported when the node reads it)."""
+    try:
+        mode = stat.S_IMODE(os.stat(path).st_mode)
+    except OSError:
+        return
+    if mode & 0o077:
+        raise ConfigError(f"the cluster secret file {path} is readable or writable by group or others "
+                          f"(mode {mode:04o}): anyone on this host could join the cluster; `chmod 600 {path}`")
+
+
 def validate(cfg: NodeConfig) -> None:
     from leveret.node.resources import parse_disk_free_limit, total_memory
 
@@ -240,6 +256,8 @@ def validate(cfg: NodeConfig) -> None:
         )
     if cfg.cluster_tls_cert and not (cfg.cluster_tls_key and cfg.cluster_tls_ca):
         raise ConfigError("--cluster-tls-cert needs --cluster-tls-key and --cluster-tls-ca (the cluster's CA)")
+    if cfg.cluster_secret_file:
+        _check_secret_mode(cfg.cluster_secret_file)
     if cfg.tls_verify not in ("none", "peer"):
         raise ConfigError(f"--tls-verify must be none or peer, got {cfg.tls_verify!r}")
     if cfg.tls_cert and not cfg.tls_key:

@@ -150,7 +150,9 @@ class Node:
         try:
             secret = Path(cfg.cluster_secret_file).read_bytes().strip() if cfg.cluster_secret_file else None
             tls = (ClusterTLS(Path(cfg.cluster_tls_cert).read_bytes(), Path(cfg.cluster_tls_key).read_bytes(),
-                              Path(cfg.cluster_tls_ca).read_bytes()) if cfg.cluster_tls_cert else None)
+                              Path(cfg.cluster_tls_ca).read_bytes(),
+                              Path(cfg.cluster_tls_peers).read_bytes() if cfg.cluster_tls_peers else b"")
+                   if cfg.cluster_tls_cert else None)
         except OSError as exc:
             raise ClusterStartError(f"cannot read the cluster credentials: {exc}") from None
         if secret is not None and len(secret) < 16:

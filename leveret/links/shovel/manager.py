@@ -195,7 +195,7 @@ class ShovelManager:
                     await self._stop_one(vn, release=False)
             for vn, spec in list(self.specs.items()):
                 if vn not in self.running and await self.coordinator.hold(HOLD, *vn):
-                    runner = ShovelRunner(spec, self.node, self.local_port, self._finished)
+                    runner = ShovelRunner(spec, self.node, self.local_port, self._finished, self.broker)
                     self.running[vn] = runner
                     runner.start()
 
