@@ -270,3 +270,15 @@ def test_stats_tools_read(mgmt: Mgmt) -> None:
         conn.close()
     consumers = mgmt.get("/api/consumers")
     assert all("consumer_timeout" not in c for c in consumers)
+
+
+def test_management_publishes_count_in_the_overview(mgmt: Mgmt) -> None:
+    """RabbitMQ counts a publish over HTTP (rabbitmqadmin publish) as a channel's, routed or not."""
+    leveret_only(mgmt)  # a shared RabbitMQ's counters move with everyone's traffic: nothing exact to check
+    before = mgmt.get("/api/overview")["message_stats"]
+    mgmt.ok("POST", "/api/exchanges/%2F/amq.direct/publish", {"routing_key": f"nowhere-{uuid.uuid4().hex}",
+                                                            "payload": "x", "payload_encoding": "string",
+                                                            "properties": {}})
+    after = mgmt.get("/api/overview")["message_stats"]
+    assert after["publish"] == before.get("publish", 0) + 1
+    assert after["drop_unroutable"] == before.get("drop_unroutable", 0) + 1

@@ -111,5 +111,6 @@ async def consumers(call: Call) -> Any:
     for proto in _open(call):
         assert proto.conn is not None
         for ch in proto.conn.channels.values():
-            out.extend(c for c in consumers_json(proto, ch) if vhost is None or c["queue"]["vhost"] == vhost)
+            out.extend(c for c in consumers_json(proto, ch, call.node_name)
+                       if vhost is None or c["queue"]["vhost"] == vhost)
     return listing.apply(out, call.query, default_sort=None)

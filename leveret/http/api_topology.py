@@ -460,6 +460,11 @@ async def exchange_publish(call: Call) -> dict[str, Any]:
     # The one publish path (core/engine/publish.py): answered once the message is where the
     # confirm rule says (committed for a persistent message on a durable queue, at its owner).
     outcome = publish.publish(call.broker, vh, x, message)
+    # Counted as RabbitMQ counts a management publish (it goes through a channel): the overview's publish.
+    stats = call.broker.stats
+    stats.received += 1
+    if not outcome.routed:
+        stats.unroutable_dropped += 1
     return {"routed": outcome.routed and await outcome.wait()}
 
 

@@ -214,13 +214,13 @@ def channel_json(proto: AMQPProtocol, ch: Channel, node: str, rates: RateSampler
     }
 
 
-def consumers_json(proto: AMQPProtocol, ch: Channel) -> list[dict[str, Any]]:
+def consumers_json(proto: AMQPProtocol, ch: Channel, node: str = "") -> list[dict[str, Any]]:
     conn = proto.conn
     assert conn is not None
     peer = conn.peer or ("", 0)
     name = connection_name(proto)
     details = {"name": f"{name} ({ch.number})", "number": ch.number, "connection_name": name,
-               "peer_host": peer[0], "peer_port": peer[1], "user": conn.username}
+               "peer_host": peer[0], "peer_port": peer[1], "user": conn.username, "node": node}
     return [{
         "consumer_tag": c.tag, "queue": {"name": c.queue.name, "vhost": c.queue.vhost},
         "channel_details": details, "ack_required": not c.no_ack, "exclusive": c.exclusive,
