@@ -2,7 +2,7 @@
 
 The defaults (1883, 8883, 15675) would collide between nodes of tests run in
 parallel, and a RabbitMQ with its MQTT plugin may hold 1883. A flag
-(--mqtt-port) still overrides this, as compat_tests/node_process.py passes
+(--mqtt-port) still overrides this, as harness/node.py passes
 for nodes that serve MQTT.
 """
 

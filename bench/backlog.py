@@ -1,6 +1,6 @@
 """``python -m bench.backlog``: a backlog far larger than a queue's memory budget, beside RabbitMQ.
 
-Starts a Leveret node (compat_tests/node_process.py) with ``--queue-memory-bytes BUDGET`` on a
+Starts a Leveret node (harness/node.py) with ``--queue-memory-bytes BUDGET`` on a
 private data dir, then per scenario: declares the queue, publishes ``--messages`` bodies of
 ``--size`` bytes with confirms (4000 outstanding) and no consumer, then drains it with one pika
 consumer (prefetch 2000, acks every 500), checking every message arrived in order. Reports the
@@ -29,7 +29,7 @@ from urllib.parse import urlparse
 import pika
 
 from compat_tests.backlog import DrainRun, PublishRun, drain, publish_backlog, rss_bytes
-from compat_tests.node_process import NodeProcess
+from harness.node import NodeProcess
 
 SCENARIOS = {"persistent": (2, True), "transient": (1, False)}
 

@@ -1,8 +1,8 @@
 """``python -m bench.chaos``: faults injected at random into a live three-node cluster, then checked.
 
-Real etcd (tests/etcd.py), a real Postgres that can be restarted on its port
-(compat_tests/node_process.py::RestartablePostgres) and three nodes
-(compat_tests/cluster_process.py). Each node reaches etcd, Postgres and its
+Real etcd (harness/etcd.py), a real Postgres that can be restarted on its port
+(harness/node.py::RestartablePostgres) and three nodes
+(harness/cluster.py). Each node reaches etcd, Postgres and its
 peers' cluster ports through fault-injecting TCP proxies on loopback
 (bench/chaos_proxy.py; a node advertises its proxy's port with
 ``--advertise-cluster-port``), so a node can be cut off while clients still
@@ -48,7 +48,7 @@ from bench.chaos_disk import report_lines, run_disk
 from bench.chaos_load import Load
 from bench.chaos_pg import PgPair
 from bench.chaos_proxy import Proxy
-from compat_tests.cluster_process import Cluster, ClusterNode
+from harness.cluster import Cluster, ClusterNode
 
 FAULTS = ("kill", "stop", "etcd", "pg", "partition", "clock", "promote", "disk")
 CYCLE_FAULTS = FAULTS[:6]  # drawn at random each cycle

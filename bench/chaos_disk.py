@@ -25,7 +25,7 @@ from pathlib import Path
 import pika
 import pika.exceptions
 
-from compat_tests.node_process import NodeProcess
+from harness.node import NodeProcess
 
 BODY = 4096
 QUEUE = "chaos-disk"

@@ -1,7 +1,7 @@
 """PostgreSQL servers for the chaos suite: a primary that can be restarted on its port, and its
 streaming-replication standby that can be promoted.
 
-Like tests/pg.py (same binaries, same drop to the ``postgres`` user as root,
+Like harness/pg.py (same binaries, same drop to the ``postgres`` user as root,
 loopback only, trust auth), but the settings that decide what a confirm means
 are the suite's: ``synchronous_commit`` on, and with ``sync_standby`` the primary
 waits for the standby (``synchronous_standby_names = '*'``) before a commit
@@ -22,8 +22,8 @@ from typing import Any
 
 import psycopg
 
-from tests import pg
-from tests.ports import free_port
+from harness import pg
+from harness.ports import free_port
 
 
 class PgServer:

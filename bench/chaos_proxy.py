@@ -22,7 +22,7 @@ import contextlib
 import os
 from dataclasses import dataclass, field
 
-from tests.ports import free_port
+from harness.ports import free_port
 
 CHUNK = 65536
 

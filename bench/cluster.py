@@ -1,7 +1,7 @@
 """``python -m bench.cluster``: what clustering costs, on a cluster of node processes.
 
 Starts one etcd, one PostgreSQL server with fsync on (``LEVERET_PG_FSYNC=on``)
-and N nodes (compat_tests/cluster_process.py), then measures:
+and N nodes (harness/cluster.py), then measures:
 
 * **forwarding**: the harness's ``transient`` scenario (bench/scenarios/
   throughput.py: 1 producer -> default exchange -> 1 queue -> 1 consumer,
@@ -53,9 +53,9 @@ from bench.scenarios.procs import CTX, Workers
 from bench.scenarios.throughput import PLANS, SETUP_TIMEOUT, Plan, _cleanup, _declare
 from bench.target import BrokerUrl, Target
 from bench.workers import ConsumeSpec, PublishSpec, consumer_main, producer_main
-from compat_tests.cluster_process import Cluster, owner_key
-from tests import pg
-from tests.etcd import ETCDCTL_BIN, etcd_unavailable
+from harness import pg
+from harness.cluster import Cluster, owner_key
+from harness.etcd import ETCDCTL_BIN, etcd_unavailable
 
 FORWARDING_TARGET = 0.70
 _BODY_HEAD = struct.Struct(">Qq")  # sequence number, time.monotonic_ns() at publish
@@ -465,7 +465,7 @@ def main(argv: list[str] | None = None) -> int:
         if reason:
             print(f"cannot run: {reason}", file=sys.stderr)
             return 2
-    os.environ["LEVERET_PG_FSYNC"] = "on"  # read by tests/pg.py when it starts the server
+    os.environ["LEVERET_PG_FSYNC"] = "on"  # read by harness/pg.py when it starts the server
     print(f"  starting etcd, Postgres and {args.nodes} nodes ...", file=sys.stderr, flush=True)
     with Cluster(args.nodes, lease_ttl=args.lease_ttl, keep_workdir=True) as cluster:
         doc: dict[str, Any] = {"nodes": args.nodes, "lease_ttl_s": args.lease_ttl, "workdir": str(cluster.workdir),

@@ -37,8 +37,8 @@ from pamqp.body import ContentBody
 from pamqp.header import ContentHeader
 
 from bench.target import BrokerUrl
-from compat_tests.node_process import NodeProcess
 from compat_tests.raw_amqp import RawAMQP
+from harness.node import NodeProcess
 from tests import fuzzing
 
 SEEDS = fuzzing.seeds()

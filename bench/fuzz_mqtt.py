@@ -27,7 +27,7 @@ from typing import Any
 import paho.mqtt.client as paho
 from paho.mqtt.enums import CallbackAPIVersion
 
-from compat_tests.node_process import NodeProcess
+from harness.node import NodeProcess
 from tests import mqtt_fuzzing
 
 INTERNAL = ("internal error", "tick failed", "callback failed", "unhandled exception")

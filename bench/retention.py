@@ -2,7 +2,7 @@
 
     .venv/bin/python -m bench.retention [--messages 1000000] [--queues 10] [--archive DIR] [--dsn DSN]
 
-Without --dsn it starts a throwaway Postgres (tests/pg.py: fsync off, loopback).
+Without --dsn it starts a throwaway Postgres (harness/pg.py: fsync off, loopback).
 The backup: ``--queues`` queues, offsets 1..N/queues each, enqueued over the
 last 10 days; queue arguments ``x-max-age: 5d`` on even queues and
 ``x-max-length: N/queues/4`` on odd ones, so about 60 % of the rows go. Prints
@@ -60,7 +60,7 @@ def _postgres(dsn: str | None) -> Iterator[str]:
     if dsn:
         yield dsn
         return
-    from tests.pg import throwaway_postgres
+    from harness.pg import throwaway_postgres
 
     with throwaway_postgres() as started:
         yield started

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 
 import pika
 
-from compat_tests.node_process import ConfirmingPublisher, ConnectionLost
+from harness.node import ConfirmingPublisher, ConnectionLost
 
 _SEQ = struct.Struct(">Q")
 

@@ -23,7 +23,7 @@ import pytest
 
 from compat_tests.raw_amqp import RawAMQP
 from compat_tests.util import Names, unique_name
-from tests.ports import free_ports as _free_ports
+from harness.ports import free_ports as _free_ports
 
 # Nodes these tests start serve no Prometheus endpoint unless a test passes
 # --prometheus-port: the default (15692) would collide between parallel runs.

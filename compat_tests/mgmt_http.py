@@ -18,12 +18,12 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from compat_tests.cluster_process import Cluster
+    from harness.cluster import Cluster
 from urllib.parse import quote, urlsplit
 
 import pytest
 
-from compat_tests.node_process import NodeProcess
+from harness.node import NodeProcess
 
 MGMT_ENV = "LEVERET_TEST_MGMT_URL"
 

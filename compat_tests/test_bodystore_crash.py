@@ -20,8 +20,8 @@ from pathlib import Path
 import pika
 import pytest
 
-from compat_tests.node_process import ConfirmingPublisher, ConnectionLost, NodeProcess
 from compat_tests.test_durability import barrier, blocking, drain_queue
+from harness.node import ConfirmingPublisher, ConnectionLost, NodeProcess
 
 pytestmark = pytest.mark.timeout(120)
 

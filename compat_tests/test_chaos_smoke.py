@@ -14,7 +14,7 @@ import pytest
 
 from bench import chaos
 from bench.chaos_proxy import Proxy, owner_pid
-from tests.etcd import skip_or_fail_without_etcd
+from harness.etcd import skip_or_fail_without_etcd
 
 
 def test_chaos_smoke_kill_and_stop() -> None:

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from compat_tests.node_process import REPO_ROOT, NodeProcess, node_env
+from harness.node import REPO_ROOT, NodeProcess, node_env
 from leveret.client import AsyncClient, AsyncSubscriber, ChannelInfo, Client, LeveretError, QueueInfo, Subscriber
 
 WAIT = 30.0

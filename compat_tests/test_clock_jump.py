@@ -19,7 +19,7 @@ import pytest
 
 from bench import chaos_clock
 from bench.chaos_check import log_time
-from compat_tests.node_process import NodeProcess
+from harness.node import NodeProcess
 
 DAY = 86400.0
 

@@ -1,12 +1,12 @@
 """The etcd cluster end to end (issue #5): three node processes, one etcd, one Postgres.
 
-Each test starts its own cluster (compat_tests/cluster_process.py) on a shared
+Each test starts its own cluster (harness/cluster.py) on a shared
 etcd and Postgres server (own cluster name, own database), except the tests
 that only read, which share one cluster. Lease TTL is 2 s, so a failover takes
 a few seconds.
 
 What is checked, with real clients (pika, and the confirm-tracking raw
-publisher of compat_tests/node_process.py):
+publisher of harness/node.py):
 - a kill -9 of a durable queue's owner, or a SIGSTOP past its lease, during a
   confirmed publishing stream through another node loses no confirmed
   message; duplicates come with redelivered=true only; after a SIGSTOP the
@@ -38,11 +38,11 @@ import pika
 import pika.exceptions
 import pytest
 
-from compat_tests.cluster_process import Cluster
-from compat_tests.node_process import REPO_ROOT, ConfirmingPublisher, ConnectionLost, _python, free_ports, node_env
-from tests.etcd import EtcdServer
-from tests.etcd import etcd_server_fixture as etcd_server_fixture  # the module-scoped `etcd_server`
-from tests.pg import throwaway_postgres
+from harness.cluster import Cluster
+from harness.etcd import EtcdServer
+from harness.etcd import etcd_server_fixture as etcd_server_fixture  # the module-scoped `etcd_server`
+from harness.node import REPO_ROOT, ConfirmingPublisher, ConnectionLost, _python, free_ports, node_env
+from harness.pg import throwaway_postgres
 
 pytestmark = pytest.mark.timeout(120)
 

@@ -28,11 +28,11 @@ from pamqp import body as pbody
 from pamqp import commands, frame, header
 from pika.adapters.blocking_connection import BlockingChannel
 
-from compat_tests.cluster_process import Cluster
 from compat_tests.raw_amqp import RawAMQP
-from tests.etcd import EtcdServer
-from tests.etcd import etcd_server_fixture as etcd_server_fixture  # the module-scoped `etcd_server`
-from tests.pg import throwaway_postgres
+from harness.cluster import Cluster
+from harness.etcd import EtcdServer
+from harness.etcd import etcd_server_fixture as etcd_server_fixture  # the module-scoped `etcd_server`
+from harness.pg import throwaway_postgres
 
 pytestmark = pytest.mark.timeout(180)
 

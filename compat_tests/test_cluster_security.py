@@ -20,14 +20,14 @@ import pika
 import pytest
 import trustme
 
-from compat_tests.cluster_process import Cluster
-from compat_tests.node_process import REPO_ROOT, _python, free_ports, node_env
 from core.cluster import internal_pb2, internal_pb2_grpc
 from core.cluster.auth import PeerAuth
 from core.cluster.wire import PROTOCOL_MD
-from tests.etcd import EtcdServer
-from tests.etcd import etcd_server_fixture as etcd_server_fixture  # the module-scoped `etcd_server`
-from tests.pg import throwaway_postgres
+from harness.cluster import Cluster
+from harness.etcd import EtcdServer
+from harness.etcd import etcd_server_fixture as etcd_server_fixture  # the module-scoped `etcd_server`
+from harness.node import REPO_ROOT, _python, free_ports, node_env
+from harness.pg import throwaway_postgres
 
 pytestmark = pytest.mark.timeout(180)
 

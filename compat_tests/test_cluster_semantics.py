@@ -17,8 +17,8 @@ import pika
 import pytest
 from pika.adapters.blocking_connection import BlockingChannel
 
-from compat_tests.cluster_process import Cluster
-from compat_tests.node_process import REPO_ROOT, _python, node_env
+from harness.cluster import Cluster
+from harness.node import REPO_ROOT, _python, node_env
 
 pytestmark = pytest.mark.timeout(180)
 

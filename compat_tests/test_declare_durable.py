@@ -25,7 +25,7 @@ import pytest
 from pamqp import commands, frame
 from pamqp.heartbeat import Heartbeat
 
-from compat_tests.node_process import NodeProcess
+from harness.node import NodeProcess
 
 pytestmark = pytest.mark.timeout(240)
 

@@ -14,8 +14,8 @@ import pika
 import pytest
 from pamqp import commands, frame
 
-from compat_tests.node_process import REPO_ROOT, _python, node_env
 from compat_tests.test_metrics import MetricsNode
+from harness.node import REPO_ROOT, _python, node_env
 
 
 class TinyWatermarkNode(MetricsNode):

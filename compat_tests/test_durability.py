@@ -17,7 +17,7 @@ What "durable" means here (DESIGN.md, core/group_commit.py):
 - everything is marked redelivered after a restart;
 - transient queues and transient messages do not survive a restart.
 
-The tests start their own nodes (compat_tests/node_process.py), not the
+The tests start their own nodes (harness/node.py), not the
 session node of conftest.py.
 """
 
@@ -41,7 +41,8 @@ import pytest
 from pamqp import commands, frame, header
 from pika.adapters.blocking_connection import BlockingChannel
 
-from compat_tests.node_process import (
+from compat_tests.raw_amqp import RawAMQP
+from harness.node import (
     REPO_ROOT,
     ConfirmingPublisher,
     ConnectionLost,
@@ -51,8 +52,7 @@ from compat_tests.node_process import (
     node_env,
     serve_command,
 )
-from compat_tests.raw_amqp import RawAMQP
-from tests.pg import throwaway_postgres
+from harness.pg import throwaway_postgres
 
 pytestmark = pytest.mark.timeout(90)
 

@@ -22,10 +22,10 @@ import pika
 import pytest
 
 from compat_tests.mgmt_http import wait_http
-from compat_tests.node_process import REPO_ROOT, _python
 from compat_tests.test_metrics import MetricsNode, samples, value
 from compat_tests.test_shovel import RABBIT_ENV, Broker, drain, wait_for
-from tests.ports import free_port
+from harness.node import REPO_ROOT, _python
+from harness.ports import free_port
 
 X = "fed.events"
 

@@ -17,9 +17,9 @@ import grpc
 import pytest
 
 from compat_tests.mgmt_http import Mgmt, wait_http
-from compat_tests.node_process import NodeProcess
 from core.grpc_api import leveret_pb2 as pb
 from core.grpc_api import leveret_pb2_grpc as pb_grpc
+from harness.node import NodeProcess
 from leveret.node.grpc_server import MAX_CONCURRENT_STREAMS
 
 pytestmark = pytest.mark.timeout(180)

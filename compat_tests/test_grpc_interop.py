@@ -17,7 +17,7 @@ import pika
 import pytest
 from pika.adapters.blocking_connection import BlockingChannel as AmqpChannel
 
-from compat_tests.node_process import REPO_ROOT, free_ports, node_env, serve_command
+from harness.node import REPO_ROOT, free_ports, node_env, serve_command
 from leveret.client import Client, LeveretError
 
 WAIT = 10.0

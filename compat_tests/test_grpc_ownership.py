@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from compat_tests.node_process import REPO_ROOT, NodeProcess, _python, node_env
+from harness.node import REPO_ROOT, NodeProcess, _python, node_env
 from leveret.client import Client, Message
 
 USERS = {"ua": ("pass-a-123", "va"), "ub": ("pass-b-456", "vb")}

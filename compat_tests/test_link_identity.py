@@ -19,7 +19,7 @@ import pika
 import pytest
 
 from compat_tests.mgmt_http import Mgmt, wait_http
-from compat_tests.node_process import NodeProcess
+from harness.node import NodeProcess
 
 pytestmark = pytest.mark.timeout(120)
 

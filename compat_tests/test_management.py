@@ -13,7 +13,7 @@ import pika
 import pytest
 
 from compat_tests.mgmt_http import Mgmt, leveret_only, q, start_mgmt, wait_http
-from compat_tests.node_process import NodeProcess
+from harness.node import NodeProcess
 
 
 @pytest.fixture(scope="module")

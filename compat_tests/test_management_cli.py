@@ -14,7 +14,7 @@ import pika
 import pytest
 
 from compat_tests.mgmt_http import MGMT_ENV, Mgmt, leveret_only, q, start_mgmt, wait_http
-from compat_tests.node_process import REPO_ROOT, NodeProcess, _python
+from harness.node import REPO_ROOT, NodeProcess, _python
 
 RABBITMQADMIN = "/usr/bin/rabbitmqadmin"
 
@@ -121,7 +121,7 @@ def test_ctl_queues_policies_connections_definitions(mgmt: Mgmt, tmp_path: Path)
 
 
 def test_ctl_unreachable_node_says_so() -> None:
-    from tests.ports import free_port
+    from harness.ports import free_port
 
     env = {k: v for k, v in os.environ.items() if not k.startswith("LEVERET_")}
     out = subprocess.run([_python(), "-m", "leveret", "ctl", "--node", f"127.0.0.1:{free_port()}", "list_queues"],

@@ -9,11 +9,11 @@ from collections.abc import Iterator
 import pika
 import pytest
 
-from compat_tests.cluster_process import Cluster
 from compat_tests.mgmt_http import cluster_api as api
-from tests.etcd import EtcdServer
-from tests.etcd import etcd_server_fixture as etcd_server_fixture  # the module-scoped `etcd_server`
-from tests.pg import throwaway_postgres
+from harness.cluster import Cluster
+from harness.etcd import EtcdServer
+from harness.etcd import etcd_server_fixture as etcd_server_fixture  # the module-scoped `etcd_server`
+from harness.pg import throwaway_postgres
 
 pytestmark = pytest.mark.timeout(180)
 

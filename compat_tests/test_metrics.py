@@ -22,8 +22,8 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 from prometheus_client.samples import Sample
 
-from compat_tests.node_process import NodeProcess
-from tests.ports import free_port
+from harness.node import NodeProcess
+from harness.ports import free_port
 
 
 class MetricsNode(NodeProcess):

@@ -17,9 +17,9 @@ import paho.mqtt.client as paho
 import pytest
 from paho.mqtt.enums import CallbackAPIVersion
 
-from compat_tests.node_process import REPO_ROOT, NodeProcess, _python, node_env
 from compat_tests.test_tls import CERT_USER, Certs
-from tests.ports import free_port
+from harness.node import REPO_ROOT, NodeProcess, _python, node_env
+from harness.ports import free_port
 
 TIMEOUT = 10.0
 

@@ -21,7 +21,7 @@ import pika.exceptions
 import pytest
 
 from compat_tests.backlog import drain, publish_backlog, rss_bytes
-from compat_tests.node_process import NodeProcess
+from harness.node import NodeProcess
 
 pytestmark = pytest.mark.timeout(120)
 

@@ -20,8 +20,8 @@ import pika
 import pika.exceptions
 import pytest
 
-from compat_tests.node_process import NodeProcess
 from core.ports.store import UserRecord
+from harness.node import NodeProcess
 from persistence.sqlite import SQLiteStore
 
 

@@ -12,13 +12,13 @@ import pika
 import pika.exceptions
 import pytest
 
-from compat_tests.cluster_process import Cluster
 from compat_tests.mgmt_http import cluster_api as api
 from compat_tests.mgmt_http import q
 from compat_tests.util import assert_reply
-from tests.etcd import EtcdServer
-from tests.etcd import etcd_server_fixture as etcd_server_fixture  # the module-scoped `etcd_server`
-from tests.pg import throwaway_postgres
+from harness.cluster import Cluster
+from harness.etcd import EtcdServer
+from harness.etcd import etcd_server_fixture as etcd_server_fixture  # the module-scoped `etcd_server`
+from harness.pg import throwaway_postgres
 
 pytestmark = pytest.mark.timeout(180)
 PASSWORD = "cl-secret"

@@ -17,8 +17,8 @@ import pika.exceptions
 import pytest
 
 from compat_tests.mgmt_http import Mgmt, q, wait_http
-from compat_tests.node_process import NodeProcess
 from compat_tests.util import channel_error
+from harness.node import NodeProcess
 from leveret.client import Client, LeveretError
 
 pytestmark = pytest.mark.timeout(120)

@@ -17,7 +17,7 @@ from pathlib import Path
 import pika
 import pytest
 
-from compat_tests.node_process import REPO_ROOT, NodeProcess, _python, node_env
+from harness.node import REPO_ROOT, NodeProcess, _python, node_env
 
 APPLY_WITHIN = 5.0  # the node polls every second; the machine is shared and slow at times
 

@@ -27,13 +27,13 @@ import pika.exceptions
 import pytest
 from pamqp import commands
 
-from compat_tests.node_process import ConfirmingPublisher, ConnectionLost, NodeProcess
 from compat_tests.raw_amqp import RawAMQP, raw_frame
 from compat_tests.test_durability import (  # noqa: F401  (fixtures: a node on each store)
     durability_postgres,
     fresh_database,
     store_args,
 )
+from harness.node import ConfirmingPublisher, ConnectionLost, NodeProcess
 from leveret.client import Client, LeveretError
 from leveret.streams_client import StreamsClient
 

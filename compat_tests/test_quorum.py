@@ -22,8 +22,8 @@ import pika
 import pytest
 
 from compat_tests.conftest import URL_ENV
-from compat_tests.node_process import NodeProcess
 from compat_tests.util import BlockingChannel, Names, channel_error, connection_error, sync
+from harness.node import NodeProcess
 
 pytestmark = pytest.mark.timeout(60)
 

@@ -32,11 +32,11 @@ from typing import Any
 import pytest
 from psycopg.conninfo import conninfo_to_dict, make_conninfo
 
-from compat_tests.cluster_process import Cluster, ClusterNode
-from compat_tests.node_process import NodeProcess
+from harness.cluster import Cluster, ClusterNode
+from harness.node import NodeProcess
+from harness.ports import free_port
 from leveret.client import AsyncClient, AsyncSubscriber, Client, Subscriber
 from tests.delay_proxy import DelayLinks
-from tests.ports import free_port
 
 pytestmark = pytest.mark.timeout(120)
 

@@ -21,9 +21,9 @@ import pytest
 from pamqp import commands, frame, header
 from pamqp.body import ContentBody
 
-from compat_tests.node_process import NodeProcess
 from compat_tests.raw_amqp import RawAMQP
 from compat_tests.util import drain, wait_until
+from harness.node import NodeProcess
 from leveret.client import Client, LeveretError
 
 pytestmark = pytest.mark.timeout(60)

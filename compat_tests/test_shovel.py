@@ -24,9 +24,9 @@ import pytest
 import trustme
 
 from compat_tests.mgmt_http import Mgmt, q, wait_http
-from compat_tests.node_process import REPO_ROOT, NodeProcess, _python
 from compat_tests.test_tls import Certs, TLSNode
-from tests.ports import free_port
+from harness.node import REPO_ROOT, NodeProcess, _python
+from harness.ports import free_port
 
 RABBIT_ENV = "LEVERET_TEST_AMQP_URL"
 

@@ -27,8 +27,8 @@ from psycopg.conninfo import conninfo_to_dict, make_conninfo
 
 from bench.chaos import Background
 from bench.chaos_proxy import Proxy
-from compat_tests.node_process import NodeProcess
-from tests.pg import throwaway_postgres
+from harness.node import NodeProcess
+from harness.pg import throwaway_postgres
 
 COMMIT_TIMEOUT = 1.0
 

@@ -20,12 +20,12 @@ import pika.exceptions
 import pytest
 from pika.adapters.blocking_connection import BlockingChannel
 
-from compat_tests.node_process import NodeProcess
 from compat_tests.test_durability import (  # noqa: F401  (fixtures: a node on each store)
     durability_postgres,
     fresh_database,
     store_args,
 )
+from harness.node import NodeProcess
 
 pytestmark = pytest.mark.timeout(90)
 

@@ -16,7 +16,7 @@ import grpc
 import pika
 import pytest
 
-from compat_tests.node_process import NodeProcess
+from harness.node import NodeProcess
 from leveret.client import LeveretError
 from leveret.streams_client import FIRST, LAST, NEXT, StreamsClient
 
@@ -268,7 +268,7 @@ def test_cli_creates_shows_and_deletes(node: NodeProcess, client: StreamsClient)
     import json
     import subprocess
 
-    from compat_tests.node_process import REPO_ROOT, _python, node_env
+    from harness.node import REPO_ROOT, _python, node_env
 
     topic = name("cli")
 
@@ -292,7 +292,7 @@ def test_cli_creates_shows_and_deletes(node: NodeProcess, client: StreamsClient)
 def test_example_stream_reader_resumes(node: NodeProcess, client: StreamsClient) -> None:
     import subprocess
 
-    from compat_tests.node_process import REPO_ROOT, _python, node_env
+    from harness.node import REPO_ROOT, _python, node_env
 
     topic = name("example")
     client.create_stream(topic, partitions=2)

@@ -23,9 +23,9 @@ import pika
 import pytest
 
 from compat_tests.mgmt_http import Mgmt, q, wait_http
-from compat_tests.node_process import NodeProcess
 from core.grpc_api import leveret_pb2 as pb
 from core.grpc_api import leveret_pb2_grpc as pb_grpc
+from harness.node import NodeProcess
 
 pytestmark = pytest.mark.timeout(120)
 VHOST = "tenant"

@@ -26,10 +26,10 @@ import pika.exceptions
 import pytest
 import trustme
 
-from compat_tests.node_process import REPO_ROOT, NodeProcess, _python, node_env
+from harness.node import REPO_ROOT, NodeProcess, _python, node_env
+from harness.ports import free_port
 from leveret.client import AsyncClient, Client, LeveretError
 from leveret.streams_client import StreamsClient
-from tests.ports import free_port
 
 CERT_USER = "certuser"
 

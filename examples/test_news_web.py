@@ -18,8 +18,8 @@ from pathlib import Path
 
 import pytest
 
-from compat_tests.node_process import REPO_ROOT, NodeProcess
-from tests.ports import free_ports
+from harness.node import REPO_ROOT, NodeProcess
+from harness.ports import free_ports
 
 CHROMIUM = "/usr/bin/chromium"
 pytestmark = [pytest.mark.timeout(180),

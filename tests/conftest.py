@@ -8,8 +8,8 @@ from collections.abc import Iterator
 
 import pytest
 
+from harness.pg import throwaway_postgres
 from leveret.node import passwords
-from tests.pg import throwaway_postgres
 
 # As a node does at start: argon2id for new passwords (26 ms a hash), not the
 # core's PBKDF2 fallback (280 ms), which would slow every test making a Broker.

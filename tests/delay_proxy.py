@@ -20,7 +20,7 @@ import time
 from collections.abc import Callable
 from types import TracebackType
 
-from tests.ports import free_port
+from harness.ports import free_port
 
 CHUNK = 65536
 

@@ -23,9 +23,9 @@ from core.cluster.auth import PeerAuth
 from core.durable.group_commit import GroupCommitter
 from core.engine.broker import Broker, Permission, User
 from core.model.policy import Policy
+from harness.etcd import EtcdServer
+from harness.etcd import etcd_server_fixture as etcd_server_fixture  # the module-scoped `etcd_server`
 from persistence.sqlite import SQLiteStore
-from tests.etcd import EtcdServer
-from tests.etcd import etcd_server_fixture as etcd_server_fixture  # the module-scoped `etcd_server`
 
 APPLIED_WITHIN = 10.0  # a watch event takes milliseconds; the machine is shared and slow at times
 

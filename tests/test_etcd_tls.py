@@ -19,8 +19,8 @@ import pytest
 import trustme
 
 from coordination.etcd_client import EtcdTLS, etcd_client
-from tests.etcd import ETCD_BIN, ETCDCTL_BIN, skip_or_fail_without_etcd
-from tests.ports import free_ports
+from harness.etcd import ETCD_BIN, ETCDCTL_BIN, skip_or_fail_without_etcd
+from harness.ports import free_ports
 
 
 class TLSEtcd:

@@ -13,7 +13,7 @@ from pathlib import Path
 import pika
 import pytest
 
-from tests.ports import free_port
+from harness.ports import free_port
 
 ROOT = Path(__file__).resolve().parent.parent
 

@@ -1,7 +1,7 @@
 """A Postgres that accepts TCP but never answers: the store's commit fails in time, then recovers.
 
 Through bench/chaos_proxy.py's blackhole (bytes held, every segment ACKed, no
-reset), against a throwaway server (tests/pg.py): libpq's tcp_user_timeout and
+reset), against a throwaway server (harness/pg.py): libpq's tcp_user_timeout and
 keepalives never fire there, so before the commit timeout a commit (and every
 publish confirm behind it) waited for the whole outage.
 """

@@ -13,8 +13,8 @@ import pytest
 import trustme
 
 from core.ports.store import StoreError
+from harness.pg import throwaway_postgres
 from persistence.postgres import PostgresStore
-from tests.pg import throwaway_postgres
 
 
 @pytest.fixture(scope="module")

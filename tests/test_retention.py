@@ -20,9 +20,9 @@ import pytest
 
 from core.model import properties as amqp_properties
 from core.ports.store import Batch, QueueRecord, StoredMessage
+from harness.ports import free_port
 from spark.backend import SQLITE_JAR, Backend
 from spark.policies import NamedPolicy, effective_limits, parse_duration, parse_size
-from tests.ports import free_port
 
 ROOT = Path(__file__).resolve().parent.parent
 NOW = 1_800_000_000.0
@@ -591,7 +591,7 @@ def test_cluster_queue_arguments_apply(spark: Any) -> None:
     the job removed."""
     import pika
 
-    from compat_tests.cluster_process import Cluster
+    from harness.cluster import Cluster
 
     ttl_30d = {"x-message-ttl": 30 * 86400 * 1000}  # the job runs at NOW, ~50 days from today
     with Cluster(2) as cluster:

@@ -1,7 +1,7 @@
 """The MessageStore contract (core/store.py), run against every backend.
 
 ``postgres`` runs PostgresStore on a fresh database of a throwaway server
-(tests/pg.py); ``sqlite`` runs SQLiteStore on a file in tmp_path and is skipped
+(harness/pg.py); ``sqlite`` runs SQLiteStore on a file in tmp_path and is skipped
 while persistence.sqlite does not import.
 """
 
@@ -31,7 +31,7 @@ from core.ports.store import (
     Topology,
     TopologyWrite,
 )
-from tests.ports import free_port
+from harness.ports import free_port
 
 StoreFactory = Callable[[], MessageStore]
 

@@ -32,7 +32,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.ports import free_ports as _free_ports
+from harness.ports import free_ports as _free_ports
 
 ETCD_BIN = Path(os.environ.get("LEVERET_ETCD_BIN", "/usr/bin/etcd"))
 ETCDCTL_BIN = Path(os.environ.get("LEVERET_ETCDCTL_BIN", "/usr/bin/etcdctl"))
@@ -259,14 +259,14 @@ def throwaway_etcd(base_dir: str | Path | None = None) -> Iterator[EtcdServer]:
 def etcd_server_fixture() -> Iterator[EtcdServer]:
     """An etcd for the tests of one module, as fixture ``etcd_server``.
 
-    Import it into the test module (``from tests.etcd import etcd_server_fixture as
+    Import it into the test module (``from harness.etcd import etcd_server_fixture as
     etcd_server_fixture``, the redundant alias marks the import as used).
     """
     with throwaway_etcd() as server:
         yield server
 
 
-if __name__ == "__main__":  # manual check: python -m tests.etcd
+if __name__ == "__main__":  # manual check: python -m harness.etcd
     with throwaway_etcd() as etcd:
         etcd.put("/leveret-check/a", "1")
         etcd.restart()

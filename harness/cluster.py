@@ -1,6 +1,6 @@
 """A Leveret cluster as processes, for the cluster tests and benchmarks.
 
-``Cluster`` = one etcd (tests/etcd.py) + one PostgreSQL server (tests/pg.py,
+``Cluster`` = one etcd (harness/etcd.py) + one PostgreSQL server (harness/pg.py,
 a fresh database per cluster) + N node processes ``n1``..``nN``, each started
 with ``python -m leveret serve --etcd ... --cluster NAME`` on fresh free ports.
 The etcd and Postgres servers may be shared between clusters (each cluster has
@@ -39,10 +39,10 @@ import psycopg
 from psycopg import sql
 from psycopg.conninfo import make_conninfo
 
-from compat_tests.node_process import REPO_ROOT, NodeProcess, _python, node_env
-from tests.etcd import EtcdServer, KeyValue, skip_or_fail_without_etcd
-from tests.pg import throwaway_postgres
-from tests.ports import free_port
+from harness.etcd import EtcdServer, KeyValue, skip_or_fail_without_etcd
+from harness.node import REPO_ROOT, NodeProcess, _python, node_env
+from harness.pg import throwaway_postgres
+from harness.ports import free_port
 
 STARTUP_TIMEOUT = 30.0
 CLI_TIMEOUT = 60.0

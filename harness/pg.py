@@ -28,7 +28,7 @@ from typing import Any
 import psycopg
 import pytest
 
-from tests.ports import free_port
+from harness.ports import free_port
 
 PG_BIN = Path(os.environ.get("LEVERET_PG_BIN", "/usr/lib/postgresql/15/bin"))
 DSN_ENV = "LEVERET_TEST_POSTGRES_DSN"
@@ -178,7 +178,7 @@ def throwaway_postgres() -> Iterator[str]:
         shutil.rmtree(pg_dir, ignore_errors=True)
 
 
-if __name__ == "__main__":  # manual check: python -m tests.pg
+if __name__ == "__main__":  # manual check: python -m harness.pg
     with throwaway_postgres() as dsn:
         with psycopg.connect(dsn) as conn:
             row = conn.execute("SELECT version()").fetchone()

@@ -25,8 +25,8 @@ from typing import Any
 from pamqp import commands, frame
 from pamqp.heartbeat import Heartbeat
 
-from tests import pg
-from tests.ports import free_port, free_ports
+from harness import pg
+from harness.ports import free_port, free_ports
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 STARTUP_TIMEOUT = 30.0
@@ -184,7 +184,7 @@ class NodeProcess:
 
 
 class RestartablePostgres:
-    """Like tests.pg.throwaway_postgres, but the server can be stopped and restarted
+    """Like harness.pg.throwaway_postgres, but the server can be stopped and restarted
     on the same data directory and port while a node keeps its DSN."""
 
     def __init__(self) -> None:
