@@ -5,7 +5,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 
 VENV=.venv
-STAMP=$VENV/.installed-$(cat pyproject.toml scripts/bootstrap.sh | sha1sum | cut -c1-12)
+STAMP=$VENV/.installed-$(cat pyproject.toml client/pyproject.toml scripts/bootstrap.sh | sha1sum | cut -c1-12)
 [ -f "$STAMP" ] && exit 0
 
 PYTHON=${PYTHON:-python3}
@@ -52,6 +52,6 @@ if [ ! -x "$VENV/bin/python" ]; then
 fi
 echo "bootstrap: installing Python packages into $VENV (first run only)"
 "$VENV/bin/python" -m pip install -q --disable-pip-version-check -U pip
-"$VENV/bin/python" -m pip install -q --disable-pip-version-check -e '.[test,spark]'
+"$VENV/bin/python" -m pip install -q --disable-pip-version-check -e ./client -e '.[test,spark]'
 rm -f $VENV/.installed-*
 touch "$STAMP"
