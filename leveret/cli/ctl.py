@@ -19,6 +19,8 @@ import urllib.request
 from typing import Any
 from urllib.parse import quote
 
+from leveret.cli import backup
+
 DEFAULT_NODE = "127.0.0.1:15672"
 
 # Default columns per list command (rabbitmqctl's defaults).
@@ -311,7 +313,7 @@ COMMANDS = (*LISTS, "close_connection", "purge_queue", "delete_queue", "add_user
             "list_vhost_limits", "set_user_limits", "clear_user_limits", "list_user_limits", "set_policy",
             "clear_policy", "set_parameter", "clear_parameter", "list_parameters", "shovel_status", "restart_shovel",
             "federation_status", "set_cluster_name", "export_definitions",
-            "import_definitions", "status", "cluster_status")
+            "import_definitions", "status", "cluster_status", *backup.COMMANDS)
 
 
 def add_parser(sub: Any) -> None:
@@ -361,6 +363,8 @@ def _hoist_options(argv: list[str]) -> list[str]:
 def main(args: argparse.Namespace) -> int:
     client = Client(args.node, args.username, args.password)
     try:
+        if args.ctl_command in backup.COMMANDS:
+            return backup.main(client, args)
         return run_command(client, args)
     except CtlError as exc:
         print(f"leveret ctl: {exc}", file=sys.stderr)
