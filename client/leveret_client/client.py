@@ -49,7 +49,8 @@ again is not moved back to: the client stays where it works.
 
 ``push`` and ``push_many`` ride out a restart or a failover: each message gets
 its id before the first attempt (``id=``, else a random one), and a push that
-finds its node gone is sent again, with the same id, along the addresses given
+finds its node gone (UNAVAILABLE; CANCELLED: the node stopped during the
+call) is sent again, with the same id, along the addresses given
 until one takes it or ``push_retry_for`` seconds (default 30; 0: one failover
 as other calls) have passed, pausing between rounds (0.05 s doubling to 1 s).
 A push whose node stored it and died before answering is stored twice under
@@ -121,6 +122,9 @@ PROBE_TIMEOUT = 2.0
 # How long push/push_many keep trying while the nodes are gone (a restart takes a few seconds).
 PUSH_RETRY_FOR = 30.0
 PUSH_PAUSE, PUSH_PAUSE_MAX = 0.05, 1.0
+# A push answered so has met a node going away: not reachable, or stopping during the call (its server
+# cancels the calls still running). Either way it may or may not be stored: send it again, same id.
+_PUSH_AGAIN = frozenset({grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED})
 
 
 T = TypeVar("T")
@@ -745,7 +749,8 @@ class Client:
         raise AssertionError("unreachable")
 
     def _call_retrying(self, name: str, request: Any) -> Any:
-        """``_call`` for a push: on UNAVAILABLE, along the addresses again and again until ``push_retry_for``."""
+        """``_call`` for a push: on UNAVAILABLE or CANCELLED (its node going away), along the addresses again and
+        again until ``push_retry_for``."""
         if self.push_retry_for <= 0:
             return self._call(name, request)
         deadline = time.monotonic() + self.push_retry_for
@@ -755,7 +760,7 @@ class Client:
             try:
                 return getattr(self._stub, name)(request, metadata=self._md, timeout=self.timeout)
             except grpc.RpcError as exc:
-                if exc.code() != grpc.StatusCode.UNAVAILABLE or time.monotonic() >= deadline:  # type: ignore[attr-defined]
+                if exc.code() not in _PUSH_AGAIN or time.monotonic() >= deadline:  # type: ignore[attr-defined]
                     raise _wrap(exc) from None
             attempt += 1
             self._fail_over(generation)
@@ -1190,7 +1195,7 @@ class AsyncClient:
             try:
                 return await getattr(self._stub, name)(request, metadata=self._md, timeout=self.timeout)
             except grpc.RpcError as exc:
-                if exc.code() != grpc.StatusCode.UNAVAILABLE or loop.time() >= deadline:  # type: ignore[attr-defined]
+                if exc.code() not in _PUSH_AGAIN or loop.time() >= deadline:  # type: ignore[attr-defined]
                     raise _wrap(exc) from None
             attempt += 1
             await self._fail_over(generation)
