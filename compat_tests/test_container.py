@@ -251,9 +251,14 @@ def cluster(image: str, tmp_path: Path) -> Iterator[tuple[str, dict[str, dict[st
     ports = iter(free_ports(3 * 4))
     nodes = {f"node{i}": {kind: next(ports) for kind in ("amqp", "management", "prometheus", "grpc")}
              for i in (1, 2, 3)}
+    if os.geteuid() != 0:
+        pytest.skip("the cluster secret must belong to the image's user (uid 999): chown needs root")
     secret = tmp_path / "cluster-secret"
     secret.write_text(base64.b64encode(os.urandom(32)).decode())
-    secret.chmod(0o644)  # read by the image's user (uid 999) through the bind mount
+    # Bind-mounted as it is: the image's user (uid 999) reads it, nobody else may (a node refuses a
+    # secret readable by group or others, as RabbitMQ refuses such an Erlang cookie).
+    secret.chmod(0o600)
+    os.chown(secret, 999, 999)
     env = {**os.environ, "LEVERET_IMAGE": image, "CLUSTER_SECRET_FILE": str(secret), "PG_PASSWORD": "pw-" + project,
            "LEVERET_DEFAULT_USER": USER, "LEVERET_DEFAULT_PASS": PASSWORD}
     for node, its in nodes.items():
