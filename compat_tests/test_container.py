@@ -99,7 +99,11 @@ class Container:
         self.env = {"LEVERET_AMQP_PORT": str(self.amqp), "LEVERET_MANAGEMENT_PORT": str(self.management),
                     "LEVERET_PROMETHEUS_PORT": str(self.prometheus), "LEVERET_GRPC_PORT": str(self.grpc),
                     "LEVERET_CLUSTER_PORT": str(self.cluster), "LEVERET_DEFAULT_USER": USER,
-                    "LEVERET_DEFAULT_PASS": PASSWORD, **(env or {})}
+                    "LEVERET_DEFAULT_PASS": PASSWORD,
+                    # Host networking: no MQTT listener on its default ports (1883 may be RabbitMQ's);
+                    # a node without MQTT ignores these.
+                    "LEVERET_MQTT_PORT": "0", "LEVERET_MQTT_TLS_PORT": "0", "LEVERET_MQTT_WS_PORT": "0",
+                    **(env or {})}
 
     def run(self) -> None:
         args = ["run", "-d", "--name", self.name, "--network", "host", "-v", f"{self.volume}:/var/lib/leveret"]
