@@ -17,14 +17,13 @@ from pamqp import commands
 from pamqp.base import Frame as Method
 
 from amqp_frontend import codec, stream_consumer
-from core.engine import access, direct_reply, limits, publish
+from core.engine import access, direct_reply, entry, limits, publish
 from core.engine.exchange import Exchange
 from core.engine.queue import Consumer, Queue, QueueChannel
 from core.engine.stream import StreamQueue
 from core.engine.vhost import server_generated_name
 from core.model import properties
 from core.model.errors import (
-    AccessRefused,
     BrokerError,
     CommandInvalid,
     NotAllowed,
@@ -245,29 +244,10 @@ class Channel:
     ) -> None:
         conn = self.conn
         conn.has_published = True
-        if summary.user_id is not None and summary.user_id != conn.username:
-            raise PreconditionFailed(
-                f"user_id property set to '{summary.user_id}' but authenticated user was '{conn.username}'"
-            )
-        if summary.expiration is not None:
-            _check_expiration(summary.expiration)
         vhost = self.vhost
         assert vhost is not None
-        if not self.grants.write.get(exchange_name or access.DEFAULT_EXCHANGE, False):
-            access.publish(self.grants, exchange_name)  # as RabbitMQ: checked before the lookup
-        exchange: Exchange | None
-        if exchange_name == "" or exchange_name == "amq.default":
-            exchange = None
-        else:
-            exchange = vhost.exchanges.get(exchange_name)
-            if exchange is None:
-                raise NotFound(f"no exchange '{exchange_name}' in vhost '{vhost.name}'")
-            if exchange.internal:
-                raise AccessRefused(
-                    f"cannot publish to internal exchange '{exchange_name}' in vhost '{vhost.name}'"
-                )
-            if exchange.type == "topic":
-                access.check_topic(self.grants, "write", exchange_name, routing_key)
+        # The entry checks every front end makes (user-id, expiration, permissions, the exchange).
+        exchange = entry.admit(vhost, self.grants, conn.username, exchange_name, routing_key, summary)
         if summary.reply_to_direct:
             props = self._direct_reply_props(props)
         message = Message(exchange_name, routing_key, props, body, summary, conn.node_id)
@@ -515,7 +495,7 @@ class Channel:
             self._exchange_declared(m, None)
             return
         access.declare_exchange(self.grants, m.exchange, m.arguments or {})
-        op = self.conn.broker.cluster.declare_exchange(
+        op = self.conn.broker.coordinator.declare_exchange(
             vhost, m.exchange, m.exchange_type, m.durable, m.auto_delete, m.internal, dict(m.arguments or {})
         )
         self._when(40, 10, op, lambda _: self._exchange_declared(m, None))
@@ -527,7 +507,7 @@ class Channel:
     def _exchange_delete(self, m: commands.Exchange.Delete) -> None:
         assert self.vhost is not None
         access.delete_exchange(self.grants, m.exchange)
-        op = self.conn.broker.cluster.delete_exchange(self.vhost, m.exchange, m.if_unused)
+        op = self.conn.broker.coordinator.delete_exchange(self.vhost, m.exchange, m.if_unused)
         self._when(40, 20, op, lambda _: None if m.nowait else self._reply(commands.Exchange.DeleteOk()))
 
     def _bind(self, class_id: int, method_id: int, source: str, kind: str, dest: str, routing_key: str,
@@ -537,7 +517,7 @@ class Channel:
         src = self.vhost.exchanges.get(source)
         if src is not None and src.type == "topic":
             access.check_topic(self.grants, "read", source, routing_key)
-        op = self.conn.broker.cluster.bind(self.vhost, source, kind, dest, routing_key, dict(arguments or {}), add)
+        op = self.conn.broker.coordinator.bind(self.vhost, source, kind, dest, routing_key, dict(arguments or {}), add)
         self._when(class_id, method_id, op, lambda _: None if reply is None else self._reply(reply))
 
     def _exchange_bind(self, m: commands.Exchange.Bind) -> None:
@@ -574,7 +554,7 @@ class Channel:
         checked = name or server_generated_name()
         access.declare_queue(self.grants, checked, m.arguments or {})
         limits.check_queue(vhost.name, self.conn.broker.vhost_limits.get(vhost.name, {}), vhost.queues, checked)
-        op = self.conn.broker.cluster.declare_queue(vhost, name, self.conn, m.durable, m.exclusive, m.auto_delete,
+        op = self.conn.broker.coordinator.declare_queue(vhost, name, self.conn, m.durable, m.exclusive, m.auto_delete,
                                                     dict(m.arguments or {}))
         self._when(50, 10, op, lambda q: self._queue_declared(m, q))
 
@@ -582,7 +562,7 @@ class Channel:
         self.last_queue = q.name
         if m.nowait:
             return
-        self._when(50, 10, self.conn.broker.cluster.counts(q), lambda counts: self._reply(
+        self._when(50, 10, self.conn.broker.coordinator.counts(q), lambda counts: self._reply(
             commands.Queue.DeclareOk(queue=q.name, message_count=counts[0], consumer_count=counts[1])))
 
     def _get_queue(self, name: str) -> Queue:
@@ -610,7 +590,7 @@ class Channel:
     def _queue_purge(self, m: commands.Queue.Purge) -> None:
         access.read_queue(self.grants, self._queue_name(m.queue))
         q = self._get_queue(m.queue)
-        self._when(50, 30, self.conn.broker.cluster.purge(q), lambda count: None if m.nowait else self._reply(
+        self._when(50, 30, self.conn.broker.coordinator.purge(q), lambda count: None if m.nowait else self._reply(
             commands.Queue.PurgeOk(message_count=count)))
 
     def _queue_delete(self, m: commands.Queue.Delete) -> None:
@@ -619,7 +599,7 @@ class Channel:
         access.delete_queue(self.grants, self._queue_name(m.queue))
         self._deferred_cancels = []
         try:
-            op = self.conn.broker.cluster.delete_queue(self.vhost, self._queue_name(m.queue), self.conn,
+            op = self.conn.broker.coordinator.delete_queue(self.vhost, self._queue_name(m.queue), self.conn,
                                                        m.if_unused, m.if_empty)
         except BaseException:
             self._deferred_cancels = None
@@ -717,7 +697,7 @@ class Channel:
         access.read_queue(self.grants, self._queue_name(m.queue))
         q = self._get_queue(m.queue)
         stream_consumer.refuse_get(q)
-        self._when(60, 70, self.conn.broker.cluster.get(q, m.no_ack),
+        self._when(60, 70, self.conn.broker.coordinator.get(q, m.no_ack),
                    lambda result: self._got(m, q.default, result[0], result[1]))
 
     def _got(self, m: commands.Basic.Get, qch: QueueChannel, qm: QueuedMessage | None, remaining: int) -> None:
@@ -831,12 +811,6 @@ class Transaction:
             merged = sorted(list(channel.unacked.items()) + restored, key=lambda kv: kv[0])
             channel.unacked.clear()
             channel.unacked.update(merged)
-
-
-def _check_expiration(expiration: str) -> None:
-    """Per-message TTL must be a non-negative integer of milliseconds, as in RabbitMQ."""
-    if not expiration.isdigit():
-        raise PreconditionFailed(f"invalid expiration '{expiration}': {{error,no_integer}}")
 
 
 def _basic_ack_frame(channel: int, tag: int, multiple: bool) -> bytes:

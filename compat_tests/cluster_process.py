@@ -167,6 +167,7 @@ class Cluster:
         if cluster_auth is None:
             secret = self.workdir / "cluster-secret"
             secret.write_text(uuid.uuid4().hex + uuid.uuid4().hex)
+            secret.chmod(0o600)  # a node refuses a secret others may read
             cluster_auth = ["--cluster-secret-file", str(secret)]
         self.cluster_auth = list(cluster_auth)
         self._given_etcd = etcd

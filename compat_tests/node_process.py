@@ -42,22 +42,29 @@ def _python() -> str:
 # Test nodes serve no Prometheus endpoint unless a test passes --prometheus-port:
 # the default port (15692) would collide between nodes of tests run in parallel.
 NO_METRICS = {"LEVERET_PROMETHEUS_PORT": "0"}
+# Nor MQTT listeners (1883, 8883, 15675 by default; a RabbitMQ with its MQTT plugin may hold 1883)
+# unless a test passes --mqtt-port (NodeProcess(mqtt=True)).
+NO_MQTT = {"LEVERET_MQTT_PORT": "0", "LEVERET_MQTT_TLS_PORT": "0", "LEVERET_MQTT_WS_PORT": "0"}
 
 
 def node_env() -> dict[str, str]:
     """The environment without LEVERET_* settings, so only the flags configure the node."""
-    return {**{k: v for k, v in os.environ.items() if not k.startswith("LEVERET_")}, **NO_METRICS}
+    return {**{k: v for k, v in os.environ.items() if not k.startswith("LEVERET_")}, **NO_METRICS, **NO_MQTT}
 
 
 def serve_command(amqp_port: int, grpc_port: int, data_dir: Path, store_args: Sequence[str],
-                  management_port: int = 0) -> list[str]:
-    """``leveret serve`` on these ports; the management API only when given a port (never the default 15672)."""
+                  management_port: int = 0, mqtt_port: int = 0) -> list[str]:
+    """``leveret serve`` on these ports; the management API and MQTT only when given a port (never the
+    defaults 15672 and 1883)."""
     return [
         _python(), "-m", "leveret", "serve",
         "--bind", "127.0.0.1",
         "--amqp-port", str(amqp_port),
         "--grpc-port", str(grpc_port),
         "--management-port", str(management_port),
+        "--mqtt-port", str(mqtt_port),
+        "--mqtt-tls-port", "0",
+        "--mqtt-ws-port", "0",
         "--data-dir", str(data_dir),
         "--log-format", "json",
         *store_args,
@@ -67,7 +74,9 @@ def serve_command(amqp_port: int, grpc_port: int, data_dir: Path, store_args: Se
 class NodeProcess:
     """One Leveret node on a data directory (and store), started and stopped as a process."""
 
-    def __init__(self, data_dir: Path, log_dir: Path, store_args: Sequence[str] = ()) -> None:
+    def __init__(self, data_dir: Path, log_dir: Path, store_args: Sequence[str] = (), mqtt: bool = False) -> None:
+        self.mqtt = mqtt
+        self.mqtt_port = 0
         self.data_dir = data_dir
         self.log_dir = log_dir
         self.store_args = list(store_args)
@@ -91,13 +100,16 @@ class NodeProcess:
     extra_env: dict[str, str] = {}  # noqa: RUF012 - replaced, never mutated: what a subclass adds (libfaketime)
 
     def command(self) -> list[str]:
-        return serve_command(self.amqp_port, self.grpc_port, self.data_dir, self.store_args, self.management_port)
+        return serve_command(self.amqp_port, self.grpc_port, self.data_dir, self.store_args, self.management_port,
+                             self.mqtt_port)
 
     def spawn(self) -> None:
         """Start the process on fresh ports without waiting for it (see wait_ready)."""
         assert self.proc is None or self.proc.poll() is not None, f"{self.name} already running"
         self.starts += 1
         self.amqp_port, self.grpc_port, self.management_port = free_ports(3)
+        if self.mqtt:
+            self.mqtt_port = free_port()
         self.log_dir.mkdir(parents=True, exist_ok=True)
         self.stderr_path = self.log_dir / f"node-{self.starts}.stderr"
         with open(self.log_dir / f"node-{self.starts}.stdout", "wb") as out, open(self.stderr_path, "wb") as err:

@@ -24,7 +24,7 @@ from compat_tests.cluster_process import Cluster
 from compat_tests.node_process import REPO_ROOT, _python, free_ports, node_env
 from core.cluster import internal_pb2, internal_pb2_grpc
 from core.cluster.auth import PeerAuth
-from core.cluster.forwarding import _PROTOCOL_MD
+from core.cluster.wire import PROTOCOL_MD
 from tests.etcd import EtcdServer
 from tests.etcd import etcd_server_fixture as etcd_server_fixture  # the module-scoped `etcd_server`
 from tests.pg import throwaway_postgres
@@ -61,9 +61,21 @@ def _forward_roundtrip(cluster: Cluster) -> None:
             time.sleep(0.05)
 
 
-def _stats(channel: grpc.Channel, metadata: tuple[tuple[str, str], ...] = _PROTOCOL_MD) -> grpc.StatusCode:
+STATS, PURGE = "/leveret.internal.v1.Node/Stats", "/leveret.internal.v1.Node/Purge"
+
+
+def _stats(channel: grpc.Channel, metadata: tuple[tuple[str, str], ...] = PROTOCOL_MD) -> grpc.StatusCode:
     try:
         internal_pb2_grpc.NodeStub(channel).Stats(internal_pb2.QueueRef(vhost="/", queue="none"), timeout=5,
+                                                  metadata=metadata)
+    except grpc.RpcError as exc:
+        return exc.code()  # type: ignore[no-any-return]
+    return grpc.StatusCode.OK
+
+
+def _purge(channel: grpc.Channel, metadata: tuple[tuple[str, str], ...]) -> grpc.StatusCode:
+    try:
+        internal_pb2_grpc.NodeStub(channel).Purge(internal_pb2.QueueRef(vhost="/", queue="none"), timeout=5,
                                                   metadata=metadata)
     except grpc.RpcError as exc:
         return exc.code()  # type: ignore[no-any-return]
@@ -90,14 +102,17 @@ def test_secret_cluster_refuses_strangers(etcd_server: EtcdServer, cluster_postg
         secret = Path(cluster.cluster_auth[1]).read_bytes().strip()
         member = PeerAuth(secret=secret)
         with grpc.insecure_channel(f"127.0.0.1:{node.grpc_port}") as public:
-            assert _stats(public, member.metadata(_PROTOCOL_MD)) == grpc.StatusCode.UNIMPLEMENTED
+            assert _stats(public, member.metadata(PROTOCOL_MD, STATS)) == grpc.StatusCode.UNIMPLEMENTED
         with grpc.insecure_channel(f"127.0.0.1:{node.cluster_port}") as internal:
             assert _stats(internal) == grpc.StatusCode.UNAUTHENTICATED  # nothing sent
             wrong = PeerAuth(secret=b"a guess at the cluster secret")
-            assert _stats(internal, wrong.metadata(_PROTOCOL_MD)) == grpc.StatusCode.UNAUTHENTICATED
-            for md in (_PROTOCOL_MD, wrong.metadata(_PROTOCOL_MD)):  # and no stream opens
+            assert _stats(internal, wrong.metadata(PROTOCOL_MD, STATS)) == grpc.StatusCode.UNAUTHENTICATED
+            session = "/leveret.internal.v1.Node/Session"
+            for md in (PROTOCOL_MD, wrong.metadata(PROTOCOL_MD, session)):  # and no stream opens
                 assert _session(internal, md) == grpc.StatusCode.UNAUTHENTICATED
-            token = member.metadata(_PROTOCOL_MD)
+            # A token covers its method: one minted for Stats does not purge.
+            assert _purge(internal, member.metadata(PROTOCOL_MD, STATS)) == grpc.StatusCode.UNAUTHENTICATED
+            token = member.metadata(PROTOCOL_MD, STATS)
             # The right secret gets an answer (this node owns no queue "none"), and its token is single-use.
             assert _stats(internal, token) == grpc.StatusCode.NOT_FOUND
             assert _stats(internal, token) == grpc.StatusCode.UNAUTHENTICATED
@@ -130,6 +145,15 @@ def test_tls_cluster_refuses_callers_without_the_cluster_certificate(
             certificate_chain=stranger.cert_chain_pems[0].bytes())
         with grpc.secure_channel(target, other) as wrong_ca:
             assert _stats(wrong_ca) == grpc.StatusCode.UNAVAILABLE  # a certificate of another CA
+        # A certificate of the cluster CA that is not a node's: an AMQP client's, as `leveret tls make-test-ca`
+        # issues them (CN alice) beside the node's.
+        alice = ca.issue_cert("alice.client.invalid", common_name="alice")
+        client = grpc.ssl_channel_credentials(
+            root_certificates=ca.cert_pem.bytes(), private_key=alice.private_key_pem.bytes(),
+            certificate_chain=alice.cert_chain_pems[0].bytes())
+        with grpc.secure_channel(target, client) as amqp_client:
+            assert _stats(amqp_client) == grpc.StatusCode.UNAUTHENTICATED
+            assert _purge(amqp_client, PROTOCOL_MD) == grpc.StatusCode.UNAUTHENTICATED
         member = grpc.ssl_channel_credentials(
             root_certificates=ca.cert_pem.bytes(), private_key=node_cert.private_key_pem.bytes(),
             certificate_chain=cert.read_bytes())
@@ -148,3 +172,22 @@ def test_cluster_mode_without_secret_or_certificate_is_refused(tmp_path: Path) -
     done = subprocess.run(cmd, cwd=REPO_ROOT, env=node_env(), capture_output=True, text=True, timeout=30)
     assert done.returncode == 2, done.stderr
     assert "--cluster-secret-file" in done.stderr and "--cluster-tls-cert" in done.stderr, done.stderr
+
+
+def test_a_cluster_secret_readable_by_others_is_refused_at_start(tmp_path: Path) -> None:
+    """As RabbitMQ refuses an Erlang cookie that group or others may read."""
+    secret = tmp_path / "secret"
+    secret.write_text("0123456789abcdef0123456789abcdef")
+    secret.chmod(0o644)
+    amqp_port, grpc_port, cluster_port = free_ports(3)
+    cmd = [
+        _python(), "-m", "leveret", "serve", "--node-id", "n1", "--bind", "127.0.0.1",
+        "--amqp-port", str(amqp_port), "--grpc-port", str(grpc_port), "--cluster-port", str(cluster_port),
+        "--data-dir", str(tmp_path / "data"), "--store", "postgres",
+        "--postgres-dsn", "postgresql://nobody@127.0.0.1:1/none",
+        "--etcd", "http://127.0.0.1:1", "--cluster", "refused", "--cluster-secret-file", str(secret),
+    ]  # fmt: skip
+    done = subprocess.run(cmd, cwd=REPO_ROOT, env=node_env(), capture_output=True, text=True, timeout=60)
+    assert done.returncode == 2, done.stderr
+    assert "readable or writable by group or others (mode 0644)" in done.stderr, done.stderr
+    assert f"chmod 600 {secret}" in done.stderr

@@ -302,6 +302,30 @@ def test_direct_routing(channel: BlockingChannel, names: Names) -> None:
     assert got == {"red": ["r"], "red2": ["r"], "both": ["r", "g"], "empty": ["e"]}
 
 
+def test_sender_selected_distribution_cc_and_bcc(channel: BlockingChannel, names: Names) -> None:
+    """RabbitMQ's extension: the CC and BCC headers' keys route too; BCC never reaches a consumer."""
+    name = names.exchange()
+    channel.exchange_declare(name, "direct")
+    queues = {}
+    for key in ("one", "two", "three", "four", "five"):
+        queues[key] = channel.queue_declare("", exclusive=True).method.queue
+        channel.queue_bind(queues[key], name, key)
+    channel.basic_publish(name, "one", b"cc", pika.BasicProperties(headers={"CC": ["two", "three"]}))
+    channel.basic_publish(name, "one", b"bcc", pika.BasicProperties(headers={"BCC": ["four"], "k": "v"}))
+    sync(channel)
+    got: dict[str, list[tuple[str, Any]]] = {}
+    for key, queue in queues.items():
+        got[key] = []
+        while True:
+            method, props, body = channel.basic_get(queue, auto_ack=True)
+            if method is None:
+                break
+            got[key].append((body.decode(), props.headers))
+    cc = ("cc", {"CC": ["two", "three"]})
+    bcc = ("bcc", {"k": "v"})  # BCC taken out of the headers before delivery
+    assert got == {"one": [cc, bcc], "two": [cc], "three": [cc], "four": [bcc], "five": []}
+
+
 def test_duplicate_binding_delivers_once(channel: BlockingChannel, names: Names) -> None:
     name = names.exchange()
     channel.exchange_declare(name, "direct")

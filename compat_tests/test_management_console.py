@@ -34,7 +34,14 @@ def test_console_login_queue_appears_after_publish_then_purge(mgmt: Mgmt, tmp_pa
             page = browser.new_page(viewport={"width": 1280, "height": 900})
             errors: list[str] = []
             page.on("pageerror", lambda exc: errors.append(str(exc)))
-            page.goto(mgmt.base + "/")
+            # The page's Content-Security-Policy must allow everything the console does: a
+            # violation is reported on the browser's console.
+            page.on("console", lambda msg: errors.append(msg.text)
+                    if "Content Security Policy" in msg.text else None)
+            response = page.goto(mgmt.base + "/")
+            assert response is not None
+            assert response.headers["x-frame-options"] == "DENY"
+            assert "frame-ancestors 'none'" in response.headers["content-security-policy"]
             # A wrong password is refused and the login form stays.
             page.fill("input[name=username]", "guest")
             page.fill("input[name=password]", "nope")

@@ -8,7 +8,11 @@
     /leveret/<cluster>/meta/queues/<vhost>/<name>         {durable, exclusive, auto_delete, arguments, node, region}
     /leveret/<cluster>/meta/bindings/<vhost>/<source>/<kind>/<destination>/<digest>  {routing_key, arguments}
     /leveret/<cluster>/owners/<vhost>/<queue>             <node>  on the owner's lease; create revision = epoch
+    /leveret/<cluster>/meta/policies/<vhost>/<policy|operator>/<name>   {pattern, definition, apply_to, priority}
+    /leveret/<cluster>/meta/parameters/<vhost>/<component>/<name>       {value}  (global ones: vhost "")
     /leveret/<cluster>/drain/<node>                       asks a live node to hand its queues over
+    /leveret/<cluster>/<kind>/<vhost>/<name>              <node>  on the holder's lease: a named hold
+                                                          (kind: shovels, federation)
 
 Every name is percent-encoded (``urllib.parse.quote(name, safe="")``), so
 ``/`` in a vhost or queue name never splits a key. Arguments are AMQP field
@@ -53,6 +57,12 @@ def user_value(user: Any) -> bytes:
                   "permissions": user.grants_record()})
 
 
+def policy_value(policy: Any) -> bytes:
+    """A policy's record under meta/policies/ (a core.model.policy.Policy)."""
+    return dumps({"pattern": policy.pattern, "definition": policy.definition, "apply_to": policy.apply_to,
+                  "priority": policy.priority})
+
+
 def loads(raw: bytes) -> dict[str, Any]:
     value = json.loads(raw) if raw else {}
     return value if isinstance(value, dict) else {}
@@ -62,7 +72,7 @@ def loads(raw: bytes) -> dict[str, Any]:
 class Key:
     """A parsed key under the cluster prefix: its section and its (decoded) parts."""
 
-    section: str  # nodes, vhosts, users, exchanges, queues, bindings, owners, drain
+    section: str  # nodes, vhosts, users, exchanges, queues, bindings, policies, parameters, owners, drain, holds
     parts: tuple[str, ...]
 
 
@@ -96,6 +106,15 @@ class Layout:
 
     def bindings_from(self, vhost: str, source: str) -> bytes:
         return self._k("meta", "bindings", q(vhost), q(source)) + b"/"
+
+    def policy(self, vhost: str, name: str, operator: bool) -> bytes:
+        return self._k("meta", "policies", q(vhost), "operator" if operator else "policy", q(name))
+
+    def parameter(self, vhost: str, component: str, name: str) -> bytes:
+        return self._k("meta", "parameters", q(vhost), q(component), q(name))
+
+    def hold(self, kind: str, vhost: str, name: str) -> bytes:
+        return self._k(q(kind), q(vhost), q(name))
 
     def owner(self, vhost: str, name: str) -> bytes:
         return self._k("owners", q(vhost), q(name))

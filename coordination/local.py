@@ -16,30 +16,36 @@ the vhost holds the change already.
 Ownership is trivial: one node owns every queue, under a lease that never
 ends. It is recorded in the engine's ownership state machine all the same
 (core/engine/ownership.py, shared with etcd's coordinator): at start
-``take_over_stored_queues`` fences every stored queue in one store transaction
-(epoch + 1, DESIGN.md's take-over steps 1-2 with the store as the only judge),
-loads each backlog, and only then moves each queue through take over, fence,
-load to serve; a queue declared later is claimed as it is made, and forgotten
+``take_over_stored_queues`` runs the take-over both coordinators share
+(core/durable/takeover.py): it fences every stored queue in one store
+transaction (epoch + 1, the store as the only judge), attaches storage, loads
+each backlog, moving each queue through take over, fence and load, and only
+then serves; a queue declared later is claimed as it is made, and forgotten
 when deleted.
 """
 
 from __future__ import annotations
 
-from collections.abc import Awaitable, Iterable
+import time
+from collections.abc import Awaitable, Callable, Iterable
 from typing import TYPE_CHECKING, Any, TypeVar
 
+from coordination.metadata import StoredMetadata
 from core.durable.durability import binding_is_stored, is_stored
+from core.durable.takeover import fence_and_load, serve
 from core.engine.exchange import Exchange
 from core.engine.ownership import Lease, Ownership
 from core.engine.queue import Queue
 from core.model.errors import InternalError
-from core.ports.coordinator import Immediate
+from core.ports.coordinator import Immediate, Member
 from core.ports.store import StoreError
 
 if TYPE_CHECKING:
     from core.durable.durability import Durability
+    from core.engine.broker import Broker
     from core.engine.vhost import VirtualHost
     from core.model.message import QueuedMessage
+    from core.ports.store import MessageStore
 
 T = TypeVar("T")
 
@@ -48,11 +54,23 @@ class StoreUnavailable(InternalError):
     """A durable change could not be stored now: it is refused (541), never answered as stored."""
 
 
-class LocalCoordinator:
-    """core.ports.coordinator.Coordinator for one node with no etcd."""
+class LocalCoordinator(StoredMetadata):
+    """core.ports.coordinator.Coordinator for one node with no etcd.
 
-    def __init__(self, node_id: str = "leveret") -> None:
+    Its metadata side (users, vhosts, policies, parameters: coordination/metadata.py) writes the
+    store and delivers this node's own parameter changes; every hold is this node's; it is the
+    only member and owns every queue.
+    """
+
+    def __init__(self, node_id: str = "leveret", broker: Broker | None = None,
+                 store: MessageStore | None = None) -> None:
+        super().__init__(broker, store)
         self.node_id = node_id
+        self.region = ""  # what members() says of this node (the node sets them)
+        self.amqp = ""
+        self.grpc = ""
+        self.started = time.time()
+        self.draining = False
         # Stored queues only: a transient queue has no epoch to fence and nothing to load.
         self.ownership = Ownership(Lease.forever())
         self._watched: set[int] = set()  # vhosts whose deletions forget ownership (id of the vhost)
@@ -60,12 +78,14 @@ class LocalCoordinator:
     # -- ownership ---------------------------------------------------------------------
     async def take_over_stored_queues(self, durability: Durability, queues: list[Queue],
                                       vhosts: Iterable[VirtualHost] = ()) -> int:
-        """Own every queue restored from the store: fence them (epoch + 1), then load their backlogs."""
-        messages = await durability.claim_and_load(queues, self.node_id)
+        """Own every queue restored from the store: fence them all (epoch + 1, one transaction), attach
+        their storage, load their backlogs, serve them (core/durable/takeover.py, as a cluster does)."""
         for vhost in vhosts:
             self._watch(vhost)
-        for q in queues:
-            self._claim(q)
+        stored = [q for q in queues if q.storage is not None]
+        messages = await fence_and_load(stored, durability.fence, durability, self.node_id, self.ownership)
+        for q in stored:
+            serve(q, self.ownership, durability.committer)
         return messages
 
     def _claim(self, q: Queue) -> None:
@@ -168,3 +188,29 @@ class LocalCoordinator:
     async def _get_paged(self, queue: Queue, no_ack: bool) -> tuple[QueuedMessage | None, int]:
         qm = await queue.default.get_loaded(no_ack)
         return qm, len(queue.default.ready)
+
+    # -- holds: one node holds everything -------------------------------------------------
+    async def hold(self, kind: str, vhost: str, name: str) -> bool:
+        return True
+
+    async def holding(self, kind: str, vhost: str, name: str) -> bool:
+        return True
+
+    async def release(self, kind: str, vhost: str, name: str) -> None:
+        return None
+
+    async def holder(self, kind: str, vhost: str, name: str) -> str | None:
+        return self.node_id
+
+    def on_holds_changed(self, kind: str, listener: Callable[[], None]) -> None:
+        return None  # nothing ever moves away from the only node
+
+    # -- members --------------------------------------------------------------------------
+    def owner_counts(self) -> dict[str, int]:
+        """This node owns every queue (transient ones too, as a cluster's owner keys count them)."""
+        broker = self._broker
+        return {self.node_id: sum(len(vh.queues) for vh in broker.vhosts.values()) if broker is not None else 0}
+
+    def members(self) -> list[Member]:
+        return [Member(self.node_id, self.region, self.amqp, self.grpc, self.owner_counts()[self.node_id],
+                       self.draining, self.started)]

@@ -7,13 +7,13 @@ from typing import Any
 import pytest
 from pamqp import commands
 
+from coordination.local import LocalCoordinator
 from core.engine.broker import Broker
 from core.model import properties
 from core.model.policy import Policy, PolicyError
 from leveret.links.federation.link import already_seen, should_forward, stamp, upstream_vhost, wanted_bindings
 from leveret.links.federation.manager import FederationManager
 from leveret.links.federation.spec import FederationError, parse_upstream, upstreams_of, validate
-from leveret.links.shovel.hold import LocalHolder
 
 
 def test_upstream_defaults_are_rabbitmqs() -> None:
@@ -119,7 +119,7 @@ async def test_desired_links_follow_policies_and_parameters() -> None:
     vh.declare_exchange("fed.a", "topic", durable=True)
     vh.declare_exchange("plain", "direct")
     names: list[str] = []
-    manager = FederationManager(broker, LocalHolder("n"), "n", 0, "node-n", names.append)
+    manager = FederationManager(broker, LocalCoordinator("n", broker), "n", 0, "node-n", names.append)
     assert names == ["node-n"] and manager.cluster_name() == "node-n"
     manager.apply("/", "federation-upstream", "u1", {"uri": "amqp://h1/"})
     manager.apply("/", "federation-upstream", "u2", {"uri": "amqp://h2/", "exchange": "remote"})

@@ -178,7 +178,7 @@ def test_forwarded_batch_waits_while_the_owners_queue_is_behind() -> None:
     """The owner's side of forwarding: slices of a batch wait for the queue to catch up, in order."""
     import asyncio
 
-    from core.cluster.forwarding import FORWARD_SLICE, _enqueue_fairly
+    from core.cluster.service import FORWARD_SLICE, _enqueue_fairly
     from core.engine import publish
     from core.model.message import Message
     from core.model.properties import EMPTY, scan

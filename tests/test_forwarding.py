@@ -1,4 +1,4 @@
-"""Inter-node forwarding (core/forwarding.py) between two in-process brokers over real gRPC.
+"""Inter-node forwarding (core/cluster/: wire, link, remote, service) between two in-process brokers over real gRPC.
 
 No etcd here: the test plays the coordinator, giving node A a remote view of
 a queue node B owns. The cluster as a whole is tested with processes in
@@ -16,7 +16,9 @@ import pytest
 
 from core.cluster import internal_pb2_grpc
 from core.cluster.auth import PeerAuth
-from core.cluster.forwarding import NodeService, Peers, QueueRemote
+from core.cluster.link import Peers
+from core.cluster.remote import QueueRemote
+from core.cluster.service import NodeService
 from core.engine.broker import Broker
 from core.engine.queue import Consumer, Queue
 from core.model import properties
@@ -58,8 +60,8 @@ async def pair() -> AsyncIterator[tuple[Broker, Broker, Queue, Queue, Peers]]:
     other = Broker(node_id="a")
     q_owner = owner.vhosts["/"].declare_queue("q", None, durable=True)
     q_remote = other.vhosts["/"].declare_queue("q", None, durable=True)
-    server = grpc.aio.server()
     auth = PeerAuth(secret=b"a test cluster secret")
+    server = grpc.aio.server(interceptors=[auth.server_interceptor()])  # as the cluster port's (auth.py)
     internal_pb2_grpc.add_NodeServicer_to_server(NodeService(owner, await _owned_by(owner), auth), server)
     port = server.add_insecure_port("127.0.0.1:0")
     await server.start()
@@ -176,10 +178,10 @@ async def test_basic_get_through_the_owner_sees_earlier_forwarded_publishes(pair
 async def test_forwarding_past_the_high_water_mark_raises_congestion_until_answered(
     pair: Any, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from core.cluster import forwarding
+    from core.cluster import link as link_module
 
     _, other, q_owner, q_remote, peers = pair
-    monkeypatch.setattr(forwarding, "FORWARD_HIGH_WATER", 64 * 1024)
+    monkeypatch.setattr(link_module, "FORWARD_HIGH_WATER", 64 * 1024)
     states: list[bool] = []
     link = q_remote.remote.link
     assert link is not None
@@ -202,7 +204,7 @@ async def test_broker_congestion_reaches_its_flow_listeners() -> None:
 
 
 class _Link:
-    node_id = "b"
+    """Where the unpacked deliveries' settlements would be reported (never called here)."""
 
 
 def _mixed_messages() -> list[tuple[bytes, bytes, Message]]:
@@ -227,10 +229,10 @@ def _mixed_messages() -> list[tuple[bytes, bytes, Message]]:
 
 
 def test_packed_forwards_unpack_to_the_same_messages_in_runs_per_queue() -> None:
-    from core.cluster.forwarding import _Packer, unpack_forwarded
+    from core.cluster.wire import Packer, unpack_forwarded
 
     sent = _mixed_messages()
-    packer = _Packer()
+    packer = Packer()
     for vhost, queue, m in sent:
         packer.forwarded(vhost, queue, m)
     data = packer.take()
@@ -253,9 +255,9 @@ def test_packed_forwards_unpack_to_the_same_messages_in_runs_per_queue() -> None
 
 
 def test_packed_deliveries_unpack_to_the_same_messages() -> None:
-    from core.cluster.forwarding import _Packer, unpack_deliveries
+    from core.cluster.wire import Packer, unpack_deliveries
 
-    packer = _Packer()
+    packer = Packer()
     qms = []
     for i, (_, _, m) in enumerate(_mixed_messages()):
         qm = QueuedMessage(m, 100 + i)
@@ -263,7 +265,7 @@ def test_packed_deliveries_unpack_to_the_same_messages() -> None:
         qm.delivery_count = i
         packer.delivery(1000 + i, qm)
         qms.append(qm)
-    got = unpack_deliveries(packer.take(), _Link(), 7)  # type: ignore[arg-type]
+    got = unpack_deliveries(packer.take(), _Link(), "b", 7)  # type: ignore[arg-type]
     assert len(got) == len(qms)
     for qm, g in zip(qms, got, strict=True):
         m, gm = qm.message, g.message
@@ -278,7 +280,7 @@ def test_packed_deliveries_unpack_to_the_same_messages() -> None:
 async def test_a_peer_speaking_another_internal_protocol_is_refused(pair: Any) -> None:
     """Mixed versions would misread each other's packed records: the call is refused, naming both versions."""
     from core.cluster import internal_pb2
-    from core.cluster.forwarding import INTERNAL_PROTOCOL
+    from core.cluster.wire import INTERNAL_PROTOCOL
 
     _, _, _, _, peers = pair
     link = peers.link("b")
@@ -295,7 +297,7 @@ async def test_a_peer_speaking_another_internal_protocol_is_refused(pair: Any) -
 async def test_a_caller_without_the_cluster_secret_is_refused(pair: Any) -> None:
     """The internal service reads and removes messages: no token, a wrong secret or a replayed token is refused."""
     from core.cluster import internal_pb2
-    from core.cluster.forwarding import _PROTOCOL_MD
+    from core.cluster.wire import PROTOCOL_MD
 
     owner, _, q_owner, _, peers = pair
     assert q_owner.enqueue(Message("", "q", TRANSIENT, b"secret body"))
@@ -303,11 +305,21 @@ async def test_a_caller_without_the_cluster_secret_is_refused(pair: Any) -> None
     assert link is not None
     stranger = PeerAuth(secret=b"not the cluster's secret")
     ref = internal_pb2.QueueRef(vhost="/", queue="q")
-    token = link.auth.metadata(_PROTOCOL_MD)
+    stats, purge = "/leveret.internal.v1.Node/Stats", "/leveret.internal.v1.Node/Purge"
+    token = link.auth.metadata(PROTOCOL_MD, stats)
     await link.stub.Stats(ref, timeout=5, metadata=token)  # the genuine token works once
-    for metadata in (_PROTOCOL_MD, stranger.metadata(_PROTOCOL_MD), token):
+    with pytest.raises(grpc.aio.AioRpcError) as info:
+        await link.stub.Stats(ref, timeout=5, metadata=token)
+    assert info.value.code() == grpc.StatusCode.UNAUTHENTICATED
+    # A token covers its method: one minted for Stats does not open Purge, even unused.
+    for metadata in (stranger.metadata(PROTOCOL_MD, purge), link.auth.metadata(PROTOCOL_MD, stats)):
         with pytest.raises(grpc.aio.AioRpcError) as info:
             await link.stub.Purge(ref, timeout=5, metadata=metadata)
+        assert info.value.code() == grpc.StatusCode.UNAUTHENTICATED
+    # No token at all: a channel of its own (the link's channel adds one to every call).
+    async with grpc.aio.insecure_channel(link.address) as bare:
+        with pytest.raises(grpc.aio.AioRpcError) as info:
+            await internal_pb2_grpc.NodeStub(bare).Purge(ref, timeout=5, metadata=PROTOCOL_MD)
         assert info.value.code() == grpc.StatusCode.UNAUTHENTICATED
     assert q_owner.message_count == 1  # nothing was purged
     assert (await link.stats("/", "q")) == (1, 0)

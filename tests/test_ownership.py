@@ -16,7 +16,8 @@ import itertools
 
 import pytest
 
-from core.cluster.forwarding import Peers, QueueRemote
+from core.cluster.link import Peers
+from core.cluster.remote import QueueRemote
 from core.engine.ownership import (
     TRANSITIONS,
     IllegalTransition,
@@ -154,11 +155,12 @@ def test_the_deadline_counts_from_when_the_refresh_was_asked() -> None:
     assert lease.granted(asked)
     assert lease.deadline == asked + 1.5
     clock.now = asked + 1.49
-    assert lease.valid() and not losses
+    assert lease.enforce() and not losses
     clock.now = asked + 1.5
-    assert not lease.valid()
+    assert not lease.held() and not lease.lost and not losses  # the query changes nothing
+    assert not lease.enforce()
     assert lease.lost and len(losses) == 1 and "deadline" in losses[0]
-    assert not lease.valid() and len(losses) == 1  # lost once, reported once
+    assert not lease.enforce() and len(losses) == 1  # lost once, reported once
 
 
 def test_an_answer_that_comes_after_the_deadline_proves_nothing() -> None:
@@ -169,7 +171,7 @@ def test_an_answer_that_comes_after_the_deadline_proves_nothing() -> None:
     asked = clock.now + 0.5
     clock.now += 5.0  # SIGSTOP between the request and its answer
     assert not lease.granted(asked)
-    assert not lease.valid() and lease.lost
+    assert not lease.enforce() and lease.lost
     # A new lease asked now counts again, and never extends from the old deadline.
     assert lease.granted(clock.now)
     assert not lease.lost and lease.deadline == clock.now + 1.5
@@ -177,7 +179,7 @@ def test_an_answer_that_comes_after_the_deadline_proves_nothing() -> None:
 
 def test_a_lease_that_never_ends() -> None:
     lease = Lease.forever()
-    assert lease.valid() and lease.deadline == float("inf")
+    assert lease.held() and lease.enforce() and lease.deadline == float("inf")
 
 
 # -- the engine checks the lease before it serves ------------------------------------------------
@@ -287,3 +289,13 @@ async def test_within_the_lease_the_guard_changes_nothing() -> None:
     q.default.dispatch()
     assert [qm.message.body for qm in sink.got] == [b"m0", b"m1", b"m2", b"m3"]
     assert node.losses == 0 and node.ownership.serving(("/", "q"))
+
+
+async def test_asking_whether_a_queue_is_served_past_the_deadline_changes_nothing() -> None:
+    """``Ownership.serving`` and ``Lease.held`` are queries: the engine's check (``Queue.lease_valid``) acts."""
+    node, q, sink, c, clock = await _owned_queue()
+    clock.now += 10
+    assert not node.ownership.serving(("/", "q")) and not node.lease.held()
+    assert node.losses == 0 and node.ownership.state(("/", "q")) is S.SERVING and q.lease is node.lease
+    assert not q.lease_valid()  # the check gives everything up, once
+    assert node.losses == 1 and node.ownership.state(("/", "q")) is S.LOST and q.lease is None

@@ -16,9 +16,11 @@ import grpc
 import pytest
 from pamqp import commands, frame
 
-# pb_grpc through forwarding: the generated module moves from core.grpc_api to core.cluster on main.
+from core.cluster import internal_pb2_grpc as pb_grpc
 from core.cluster.auth import PeerAuth
-from core.cluster.forwarding import NodeService, Peers, QueueRemote, pb_grpc
+from core.cluster.link import Peers
+from core.cluster.remote import QueueRemote
+from core.cluster.service import NodeService
 from core.durable.durability import Durability
 from core.durable.group_commit import GroupCommitter
 from core.engine import publish
@@ -134,8 +136,8 @@ async def cluster(tmp_path: Path) -> AsyncIterator[tuple[Broker, GroupCommitter,
         q = b.vhosts[vhost].queues.get(queue)
         return q if q is not None and q.remote is None else None
 
-    server = grpc.aio.server()
     auth = PeerAuth(secret=b"a test cluster secret")
+    server = grpc.aio.server(interceptors=[auth.server_interceptor()])  # as the cluster port's (auth.py)
     pb_grpc.add_NodeServicer_to_server(NodeService(b, owned, auth), server)
     port = server.add_insecure_port("127.0.0.1:0")
     await server.start()
@@ -216,3 +218,105 @@ def test_amqp_publish_with_malformed_headers_closes_only_its_connection_with_502
     assert broker.vhosts["/"].queues["q"].message_count == 0
     good.publish(1, b"fine", routing_key="q", properties=commands.Basic.Properties(headers={"a": {"b": [1]}}))
     assert broker.vhosts["/"].queues["q"].message_count == 1
+
+
+# -- sender-selected distribution: CC and BCC route too, BCC is not delivered ------------------------------
+
+
+def _headers_message(exchange: str, routing_key: str, headers: dict[str, Any]) -> Message:
+    return Message(exchange, routing_key, properties.encode({"headers": headers}), b"body")
+
+
+def _ready_headers(q: Queue) -> list[dict[str, Any]]:
+    return [qm.message.headers for qm in q.default.ready]
+
+
+def test_cc_and_bcc_route_by_every_key_and_bcc_is_taken_out() -> None:
+    broker = local_broker()
+    vh = broker.vhosts["/"]
+    qs = {n: vh.declare_queue(n, None) for n in ("one", "two", "three", "four", "other")}
+    for n in ("one", "two", "three", "four"):
+        vh.bind("amq.direct", qs[n], n, {})
+    m = _headers_message("amq.direct", "one", {"CC": ["two", "three"], "BCC": ["four", "one"], "k": "v"})
+    outcome = publish.publish(broker, vh, vh.exchanges["amq.direct"], m)
+    assert outcome.routed
+    assert [q.message_count for q in qs.values()] == [1, 1, 1, 1, 0]  # "one" named twice: once
+    for n in ("one", "two", "three", "four"):
+        assert _ready_headers(qs[n]) == [{"CC": ["two", "three"], "k": "v"}], n
+
+
+def test_cc_on_the_default_exchange_names_more_queues_and_an_unroutable_cc_changes_nothing() -> None:
+    broker = local_broker()
+    vh = broker.vhosts["/"]
+    a, b = vh.declare_queue("a", None), vh.declare_queue("b", None)
+    assert publish.publish(broker, vh, None, _headers_message("", "a", {"CC": ["b", "missing"]})).routed
+    assert (a.message_count, b.message_count) == (1, 1)
+    assert publish.publish(broker, vh, None, _headers_message("", "missing", {"CC": ["b"]})).routed
+    assert b.message_count == 2
+    assert not publish.publish(broker, vh, None, _headers_message("", "none", {"CC": ["nor-this"]})).routed
+
+
+def test_cc_that_is_not_an_array_of_strings_is_no_key_and_other_headers_pay_nothing() -> None:
+    broker = local_broker()
+    vh = broker.vhosts["/"]
+    a, b = vh.declare_queue("a", None), vh.declare_queue("b", None)
+    for headers in ({"CC": "b"}, {"CC": [1, 2]}, {"ACCEPT": ["b"]}, {"x": "y"}):
+        m = _headers_message("", "a", headers)
+        assert publish.publish(broker, vh, None, m).routed
+        assert a.default.ready[-1].message is m, headers  # the same message: nothing re-encoded
+    assert (a.message_count, b.message_count) == (4, 0)
+
+
+def test_sender_selected_keys_follow_exchange_bindings_and_the_alternate_only_when_none_routes() -> None:
+    broker = local_broker()
+    vh = broker.vhosts["/"]
+    vh.declare_exchange("ae", "fanout")
+    vh.declare_exchange("x", "direct", arguments={"alternate-exchange": "ae"})
+    vh.declare_exchange("inner", "direct")
+    q_inner, q_ae, q_x = (vh.declare_queue(n, None) for n in ("inner-q", "ae-q", "x-q"))
+    vh.bind("x", vh.exchanges["inner"], "two", {})
+    vh.bind("inner", q_inner, "three", {})
+    vh.bind("x", q_x, "one", {})
+    vh.bind("ae", q_ae, "", {})
+    x = vh.exchanges["x"]
+    publish.publish(broker, vh, x, _headers_message("x", "nothing", {"CC": ["two", "three"]}))
+    assert (q_inner.message_count, q_ae.message_count, q_x.message_count) == (1, 0, 0)
+    publish.publish(broker, vh, x, _headers_message("x", "nothing", {"CC": ["nor-this"]}))
+    assert (q_inner.message_count, q_ae.message_count, q_x.message_count) == (1, 1, 0)
+
+
+# -- the entry checks of a publish (core/engine/entry.py), the same for every front end ------------------
+
+
+def test_entry_checks_refuse_what_every_front_end_refuses() -> None:
+    from core.engine import entry
+    from core.engine.broker import Permission
+    from core.model.errors import AccessRefused, NotFound, PreconditionFailed
+
+    broker = local_broker()
+    broker.add_user("u", "p", vhosts={"/"})
+    broker.users["u"].permissions["/"] = Permission("", "^(amq\\.default|t|internal)$", "")
+    broker.users["u"].topic_permissions["/"] = {"t": ("^ok\\.", "")}
+    broker.user_changed("u")
+    vh = broker.vhosts["/"]
+    vh.declare_exchange("t", "topic")
+    vh.declare_exchange("internal", "direct", internal=True)
+    g = broker.access.grants("u", "/")
+
+    def summary(**props: Any) -> properties.PropertySummary:
+        return properties.scan(properties.encode(props))
+
+    assert entry.admit(vh, g, "u", "", "q", summary(user_id="u", expiration="1000")) is None
+    with pytest.raises(PreconditionFailed, match="user_id property set to 'v'"):
+        entry.admit(vh, g, "u", "", "q", summary(user_id="v"))
+    with pytest.raises(PreconditionFailed, match="invalid expiration '-1'"):
+        entry.admit(vh, g, "u", "", "q", summary(expiration="-1"))
+    assert entry.admit(vh, g, "u", "t", "ok.key", summary()) is vh.exchanges["t"]
+    with pytest.raises(AccessRefused, match="topic 'no.key'"):
+        entry.target(vh, g, "t", "no.key")
+    with pytest.raises(AccessRefused, match="internal exchange 'internal'"):
+        entry.target(vh, g, "internal", "")
+    with pytest.raises(AccessRefused, match="exchange 'missing'"):  # refused before the lookup
+        entry.target(vh, g, "missing", "")
+    with pytest.raises(NotFound, match="no exchange 'missing'"):
+        entry.target(vh, broker.access.grants("guest", "/"), "missing", "")

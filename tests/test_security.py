@@ -144,16 +144,20 @@ def test_cluster_tokens_are_single_use_and_time_bound() -> None:
     now = [1000.0]
     a = PeerAuth(secret=b"s" * 32, clock=lambda: now[0])
     b = PeerAuth(secret=b"s" * 32, clock=lambda: now[0])
-    md = a.metadata(())
-    assert b.refusal(md) is None
-    assert b.refusal(md) == "cluster credentials replayed"
-    assert b.refusal(()) is not None
-    assert b.refusal(PeerAuth(secret=b"t" * 32).metadata(())) == "wrong cluster secret"
-    old = a.metadata(())
+    m = "/leveret.internal.v1.Node/Stats"
+    md = a.metadata((), m)
+    assert b.refusal(md, m) is None
+    assert b.refusal(md, m) == "cluster credentials replayed"
+    assert b.refusal((), m) is not None
+    wrong = "wrong cluster secret, or a token minted for another method"
+    assert b.refusal(PeerAuth(secret=b"t" * 32).metadata((), m), m) == wrong
+    assert b.refusal(a.metadata((), m), "/leveret.internal.v1.Node/Purge") == wrong  # the method is covered
+    assert b.refusal(a.metadata((), m)) is not None  # unchecked by the listener's interceptor: refused
+    old = a.metadata((), m)
     now[0] += WINDOW + 1
-    assert "old" in (b.refusal(old) or "")
-    forged = ((k, v[:-1] + ("0" if v[-1] != "0" else "1")) for k, v in a.metadata(()))
-    assert b.refusal(tuple(forged)) == "wrong cluster secret"
+    assert "old" in (b.refusal(old, m) or "")
+    forged = ((k, v[:-1] + ("0" if v[-1] != "0" else "1")) for k, v in a.metadata((), m))
+    assert b.refusal(tuple(forged), m) == wrong
     with pytest.raises(ValueError):
         PeerAuth()
 

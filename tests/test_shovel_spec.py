@@ -7,6 +7,7 @@ from typing import Any
 
 import pytest
 
+from core.model.errors import AccessRefused
 from leveret.links.shovel.spec import ShovelError, client_uri, parse, redact
 
 BASE: dict[str, Any] = {"src-uri": "amqp://", "src-queue": "q", "dest-uri": "amqp://h/"}
@@ -66,8 +67,11 @@ def test_not_an_object() -> None:
 
 
 def test_client_uri_local_node_and_rabbitmq_tls_parameters() -> None:
-    assert client_uri("amqp://", 5999) == "amqp://guest:guest@127.0.0.1:5999"
-    assert client_uri("amqp://u:p@/%2F", 5999) == "amqp://u:p@127.0.0.1:5999/%2F"
+    # A URI without a host is this node, entered as the parameter's owner: never guest, nor the URI's user.
+    assert client_uri("amqp://", 5999, ("bob", "tok/en")) == "amqp://bob:tok%2Fen@127.0.0.1:5999"
+    assert client_uri("amqp://u:p@/%2F", 5999, ("bob", "t")) == "amqp://bob:t@127.0.0.1:5999/%2F"
+    with pytest.raises(ValueError, match="owner"):
+        client_uri("amqp:///%2F", 5999)
     assert client_uri("amqps://u:p@h:5671/v?cacertfile=/ca.pem&verify=verify_none&heartbeat=10&x=1", 1) == \
         "amqps://u:p@h:5671/v?cafile=%2Fca.pem&no_verify_ssl=1&heartbeat=10"
 
@@ -75,3 +79,32 @@ def test_client_uri_local_node_and_rabbitmq_tls_parameters() -> None:
 def test_redact_hides_the_password_only() -> None:
     assert redact("amqp://u:secret@h:1/v") == "amqp://u:***@h:1/v"
     assert redact("amqp://h/") == "amqp://h/"
+
+
+def test_a_direct_uri_acts_as_the_owner_with_its_rights() -> None:
+    from core.engine.broker import Broker
+    from leveret.links import identity
+
+    b = Broker()
+    b.add_vhost("A")
+    b.add_user("pm", "pw", tags=("policymaker",), vhosts={"A"})
+    assert parse("A", "s", {**BASE, "user": "pm"}).owner == "pm"
+    assert identity.stamped(b, {"src-uri": "amqp://", "user": "guest"}, b.users["pm"])["user"] == "pm"
+    assert identity.stamped(b, {"user": "pm"}, b.users["guest"])["user"] == "pm"  # an administrator's import
+    with pytest.raises(identity.LinkForbidden, match="user 'pm' may not access vhost '/'"):
+        identity.check_set(b, "pm", ["amqp:///%2F"], "guest")
+    with pytest.raises(identity.LinkForbidden, match="default user 'guest'"):
+        identity.check_set(b, "pm", ["amqp://guest:guest@127.0.0.1:5672/A"], "guest")
+    identity.check_set(b, "pm", ["amqp:///A", "amqp://guest:guest@elsewhere/A"], "guest")
+    identity.check_set(b, "guest", ["amqp://guest:guest@localhost/%2F"], "guest")  # an administrator may
+    assert identity.credentials(b, "pm", "amqp:///A") == ("pm", b.link_token)
+    assert identity.credentials(b, "pm", "amqp://u:p@h/") is None
+    b.delete_user("pm")
+    with pytest.raises(PermissionError, match="no longer exists"):
+        identity.credentials(b, "pm", "amqp:///A")
+    with pytest.raises(PermissionError, match="no owner"):
+        identity.credentials(b, None, "amqp://")
+    # The link token logs in as any existing user, from loopback only.
+    assert b.authenticate("guest", b.link_token, "127.0.0.1").name == "guest"
+    with pytest.raises(AccessRefused):
+        b.authenticate("guest", b.link_token, "10.0.0.1")

@@ -1,5 +1,7 @@
 """A stream consumer on a node that does not own the stream: its reader runs on the owner.
 
+Built on the caller side of the transport (core/cluster/link.py): one subscription per consumer.
+
 A classic queue's proxy (``QueueRemote``) shares one subscription among all
 local consumers, because they compete for the same messages. A stream is
 read, not consumed: every consumer has its own cursor (or its group's), so
@@ -18,16 +20,14 @@ specification or its group's committed offset says, on the new owner.
 from __future__ import annotations
 
 from collections import deque
-from typing import TYPE_CHECKING
 
+from core.cluster.link import PeerLink
+from core.cluster.wire import ProxiedMessage
 from core.engine.queue import Consumer
-from core.engine.stream import StreamQueue, reachable, until_reachable  # noqa: F401 - re-exported
+from core.engine.stream import StreamQueue
 from core.engine.stream_reader import LogChannel
 from core.model.fieldtable import encode_table
 from core.model.message import QueuedMessage
-
-if TYPE_CHECKING:
-    from core.cluster.forwarding import PeerLink, ProxiedMessage
 
 
 class RemoteStreamReader(LogChannel):

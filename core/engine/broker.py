@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import base64
 import hashlib
+import hmac
 import ipaddress
+import secrets
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -156,6 +158,14 @@ class Broker:
         self.access = AccessTable(self)
         # Told when a user is deleted: the front ends close its connections (320, as RabbitMQ).
         self.on_user_deleted: list[Callable[[str], None]] = []
+        # Told after any change to a user (permissions, tags, password record, deletion): what runs
+        # on the user's behalf outside AMQP (gRPC subscriptions and watches, shovels, federation
+        # links) checks again that it may go on.
+        self.on_user_changed: list[Callable[[str], None]] = []
+        # Shovels and federation links whose URI has no host log in to this node as the user who set
+        # them with this in-process password (leveret/links/identity.py), from loopback only; it never
+        # leaves the process, so no user's password is needed or stored for them.
+        self.link_token = secrets.token_urlsafe(32)
         # Vhost limits (vhost -> max-connections/max-queues) and the open connections they count.
         self.vhost_limits: dict[str, dict[str, int]] = {}
         self.limits = limits.Tracker()
@@ -174,16 +184,17 @@ class Broker:
         return DISK in self.alarms.raised
 
     @property
-    def cluster(self) -> Coordinator:
-        """The coordinator (the name predates the single-node one). Core never builds one itself: it
-        must not import coordination/, so whoever builds the broker for a front end passes one."""
+    def coordinator(self) -> Coordinator:
+        """Declarations, queue operations, users, vhosts, policies, parameters, holds, members
+        (core/ports/coordinator.py). Core never builds one itself: it must not import coordination/,
+        so whoever builds the broker for a front end passes one."""
         if self._coordinator is None:
             raise RuntimeError("this broker has no coordinator: build it with "
                                "Broker(coordinator=coordination.local.LocalCoordinator(node_id))")
         return self._coordinator
 
-    @cluster.setter
-    def cluster(self, coordinator: Coordinator) -> None:
+    @coordinator.setter
+    def coordinator(self, coordinator: Coordinator) -> None:
         self._coordinator = coordinator
 
     def set_forward_congestion(self, congested: bool) -> None:
@@ -222,10 +233,16 @@ class Broker:
         """Add or replace a user (new password, tags, permissions): applies to open connections at once."""
         self.users[user.name] = user
         self.access.user_changed(user.name)
+        self._tell_user_changed(user.name)
 
     def user_changed(self, name: str) -> None:
         """A user's permissions were changed in place."""
         self.access.user_changed(name)
+        self._tell_user_changed(name)
+
+    def _tell_user_changed(self, name: str) -> None:
+        for listener in list(self.on_user_changed):
+            listener(name)
 
     def delete_user(self, name: str) -> bool:
         """Remove a user; its open connections are closed by the front ends' listeners."""
@@ -234,11 +251,15 @@ class Broker:
         if found:
             for listener in list(self.on_user_deleted):
                 listener(name)
+            self._tell_user_changed(name)
         return found
 
     def authenticate(self, username: str, password: str, peer_host: str | None) -> User:
         """The user, or AccessRefused; a failure counts against ``peer_host`` (``login_throttle``)."""
         user = self.users.get(username)
+        if (user is not None and is_loopback(peer_host)
+                and hmac.compare_digest(password.encode(), self.link_token.encode())):
+            return user  # a shovel or federation link acting as its owner (leveret/links/identity.py)
         if user is not None and self.recent_logins.known(username, user.password_hash, password):
             ok, rehash = True, False
         else:

@@ -31,6 +31,7 @@ it processes (one loop, no threads: a plain module variable is enough).
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import TYPE_CHECKING, Protocol
@@ -178,3 +179,16 @@ class HeldCall:
         if not self.gates and self.on_free is not None:
             on_free, self.on_free = self.on_free, None
             on_free()
+
+
+async def released(call: HeldCall) -> None:
+    """Wait until no queue holds ``call`` (an asyncio caller: gRPC, the owner side of forwarding)."""
+    if call.held:
+        done: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+
+        def free() -> None:
+            if not done.done():
+                done.set_result(None)
+
+        call.on_free = free
+        await done

@@ -24,8 +24,9 @@ last successful refresh *request* plus the TTL minus a margin. A node that
 wakes past it (SIGSTOP, a long GC, a VM pause) finds out at the first thing
 it does for an owned queue: every owned queue carries the lease
 (``Queue.guard``), and the engine checks it before it enqueues, delivers,
-settles or gets (core/engine/queue.py). The check loses every owned queue at
-once (``Lease.on_lost``) before the input that found it is processed, so
+settles or gets (``Queue.lease_valid``, the one check). ``Lease.held`` is the
+query; ``Lease.enforce`` acts on it: past the deadline it loses every owned
+queue at once (``Lease.on_lost``) before the input that found it is processed, so
 nothing is served under a lease that may belong to a new owner by now.
 """
 
@@ -147,8 +148,14 @@ class Lease:
         self.lost = False
         return True
 
-    def valid(self) -> bool:
-        """Still held; when not, every owned queue is lost before this returns."""
+    def held(self) -> bool:
+        """Still held now? A query: it changes nothing (``enforce`` acts on the answer)."""
+        return self.clock() < self.deadline
+
+    def enforce(self) -> bool:
+        """Whether the lease is still held; when not, it is given up first (``expire``: every owned
+        queue is lost before this returns). The engine calls it before it serves (``Queue.lease_valid``),
+        the coordinator's watchdog while idle."""
         if self.clock() < self.deadline:
             return True
         self.expire(f"lease deadline passed {self.clock() - self.deadline:.2f}s ago")
@@ -190,7 +197,7 @@ class Ownership:
         return sorted(vq for vq, r in self._queues.items() if r.state in wanted)
 
     def serving(self, vq: VQ) -> bool:
-        return self.state(vq) is S.SERVING and self.lease.valid()
+        return self.state(vq) is S.SERVING and self.lease.held()
 
     def __len__(self) -> int:
         """How many queues this node answers for (its load, as placement counts it)."""

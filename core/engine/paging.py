@@ -53,8 +53,8 @@ from core.model.message import Message, QueuedMessage
 from core.ports.store import StoredMessage
 
 if TYPE_CHECKING:
-    from core.durable.durability import QueueStorage
     from core.engine.queue import QueueChannel
+    from core.ports.storage import QueueStorage
 
 log = logging.getLogger("leveret.core")
 

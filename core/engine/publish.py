@@ -14,31 +14,38 @@ a queue's new owner flushes), so the confirm rule is written once:
   publish a failure at once (AMQP: basic.nack);
 - without a store (a node with no durability), at once.
 
+Sender-selected distribution (RabbitMQ's extension): a message whose headers
+carry ``CC`` or ``BCC`` (arrays of strings) is routed by its routing key and
+by each of those keys; ``BCC`` is taken out of the headers before any queue
+sees the message (``CC`` stays). Only a message with a headers table that
+mentions them pays for it: the property scan knows where the table is.
+
 A publish routed to several queues is settled when all of them are: one
 ``Outcome`` with one settled signal, read by a callback (the sans-IO AMQP
 channel, which must not await) or awaited (the asyncio layers). See
 docs/notes/publish.md.
 
 This module must not import core.cluster: a remote queue is reached through
-its ``remote`` hook (forward on enqueue, ``when_forwarded`` for the answer).
+its ``remote`` port (core/ports/remote.py: forward on enqueue, ``when_forwarded``
+for the answer).
 """
 
 from __future__ import annotations
 
 import asyncio
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING
 
 from core.engine import direct_reply
 from core.model import properties
+from core.model.message import Message
 
 if TYPE_CHECKING:
-    from core.durable.group_commit import GroupCommitter
     from core.engine.broker import Broker
     from core.engine.exchange import Exchange
-    from core.engine.queue import Queue
+    from core.engine.queue import Queue, Remote
     from core.engine.vhost import VirtualHost
-    from core.model.message import Message
+    from core.ports.storage import Committer
 
 Settled = Callable[[bool], None]
 
@@ -101,12 +108,12 @@ class Outcome:
         return self.ok
 
     # -- building it (this module and the owner side of forwarding) ----------------
-    def wait_for_owner(self, remote: _Remote) -> None:
+    def wait_for_owner(self, remote: Remote) -> None:
         """The message just forwarded through ``remote``: settled also by its owner's answer."""
         self._pending += 1
         remote.when_forwarded(self._owner_answer)
 
-    def seal(self, committer: GroupCommitter | None) -> Outcome:
+    def seal(self, committer: Committer | None) -> Outcome:
         """Everything is enqueued: wait for the commit if a store took the message, then settle."""
         if self.needs_commit:
             assert committer is not None, "a queue with a store on a broker without a committer"
@@ -134,12 +141,6 @@ class Outcome:
                     done(self.ok)
 
 
-class _Remote(Protocol):
-    """What a queue's ``remote`` hook offers here (core.cluster.forwarding.QueueRemote)."""
-
-    def when_forwarded(self, done: Settled) -> None: ...
-
-
 # Settled outcomes shared by every publish that needs no answer (the hot path
 # allocates nothing for them).
 ROUTED = Outcome(settled=True)
@@ -147,7 +148,7 @@ UNROUTED = Outcome(routed=False, settled=True)
 REFUSED = Outcome(accepted=False, settled=True)
 
 
-def _enqueue(queues: list[Queue] | tuple[Queue, ...], message: Message, committer: GroupCommitter | None,
+def _enqueue(queues: list[Queue] | tuple[Queue, ...], message: Message, committer: Committer | None,
              track: bool) -> Outcome:
     if not track:
         # Nobody waits for the answer (no confirms, no tx): enqueue and say what happened.
@@ -186,6 +187,11 @@ def publish(broker: Broker, vhost: VirtualHost, exchange: Exchange | None, messa
     ``track`` False (a publisher that waits for nothing) skips registering for
     the answers and returns a settled outcome.
     """
+    if message.summary.headers_at >= 0 and b"CC" in message.props:
+        keys, message = sender_selected(message)
+        if len(keys) > 1:
+            queues = vhost.route_keys(exchange, message, keys)
+            return _enqueue(queues, message, broker.committer, track) if queues else UNROUTED
     routing_key = message.routing_key
     if exchange is None:
         # The default exchange: the routing key names the queue.
@@ -203,7 +209,40 @@ def publish(broker: Broker, vhost: VirtualHost, exchange: Exchange | None, messa
     return _enqueue(queues, message, broker.committer, track)
 
 
-def publish_to(queue: Queue, message: Message, committer: GroupCommitter | None, track: bool = True) -> Outcome:
+def _keys(value: object) -> list[str]:
+    """The routing keys of a CC or BCC header: an array of strings (anything else is no key, as RabbitMQ)."""
+    if not isinstance(value, list):
+        return []
+    keys = []
+    for item in value:
+        if isinstance(item, bytes | bytearray):
+            item = bytes(item).decode("utf-8", "replace")
+        if isinstance(item, str):
+            keys.append(item)
+    return keys
+
+
+def sender_selected(message: Message) -> tuple[tuple[str, ...], Message]:
+    """The keys ``message`` is routed by (its routing key, then CC's, then BCC's) and the message to
+    enqueue: ``message`` itself, or without ``BCC`` in its headers when it had one.
+
+    A direct reply-to is routed by its own key only (the reply goes to one requester).
+    """
+    headers = message.headers
+    if "CC" not in headers and "BCC" not in headers:
+        return (message.routing_key,), message
+    keys = (message.routing_key, *_keys(headers.get("CC")), *_keys(headers.get("BCC")))
+    if message.exchange == "" and message.routing_key.startswith(direct_reply.PREFIX):
+        keys = (message.routing_key,)
+    if "BCC" in headers:
+        rest = {name: value for name, value in headers.items() if name != "BCC"}
+        props = properties.with_headers(message.props, rest)
+        message = Message(message.exchange, message.routing_key, props, message.body, None, message.node,
+                          message.timestamp)
+    return keys, message
+
+
+def publish_to(queue: Queue, message: Message, committer: Committer | None, track: bool = True) -> Outcome:
     """Enqueue ``message`` into ``queue`` itself (gRPC Push, Streams.Publish, held publishes)."""
     return _enqueue((queue,), message, committer, track)
 

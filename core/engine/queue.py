@@ -13,7 +13,7 @@ from __future__ import annotations
 import asyncio
 from collections import deque
 from collections.abc import Callable, Iterable, Sequence
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol, TypeAlias
 
 from core.engine import paging
 from core.engine.flow import FLOW_HIGH, FLOW_LOW, QueueFlow
@@ -24,11 +24,16 @@ from core.model import properties
 from core.model.clock import AsyncioScheduler, Scheduler, TimerHandle
 from core.model.errors import AccessRefused
 from core.model.message import Message, QueuedMessage
+from core.ports.remote import RemoteQueue
 
 if TYPE_CHECKING:
-    from core.cluster.forwarding import QueueRemote  # the coordinator sets and reads the concrete type
-    from core.durable.durability import QueueStorage
     from core.engine.ownership import Lease
+    from core.engine.stream_reader import LogChannel
+    from core.ports.storage import QueueStorage
+
+# What stands in for the owner of a queue another node owns (core/ports/remote.py), in this
+# engine's channel types: the transport behind it (core/cluster/remote.py) is not named here.
+Remote: TypeAlias = "RemoteQueue[QueueChannel, LogChannel]"
 
 # Why a message left a queue without being acknowledged (x-death "reason").
 REJECTED = "rejected"
@@ -141,11 +146,10 @@ class QueueChannel:
     def push_many(self, qms: Sequence[QueuedMessage]) -> None:
         """``push`` each of ``qms`` in order, trying the consumers once for all that wait.
 
-        For batches from another node (core/forwarding.py): once the consumers
+        For batches from another node (core/cluster/service.py): once the consumers
         are out of credit, ``push`` would try them again for every message.
         """
-        lease = self.queue.lease
-        if lease is not None and not lease.valid():
+        if self.queue.lease is not None and not self.queue.lease_valid():
             return  # the node's lease ran out: the queue was just given up, its new owner serves these
         start = 0
         if self.consumers:
@@ -224,8 +228,7 @@ class QueueChannel:
         """Hand ready messages to consumers that have credit, round robin."""
         if self._dispatching:
             return
-        lease = self.queue.lease
-        if lease is not None and not lease.valid():
+        if self.queue.lease is not None and not self.queue.lease_valid():
             return  # see Queue.guard: the queue was just given up, nothing more is delivered here
         self._dispatching = True
         try:
@@ -270,8 +273,7 @@ class QueueChannel:
 
     def get(self, no_ack: bool) -> QueuedMessage | None:
         """basic.get: the next ready message that has not expired, or None."""
-        lease = self.queue.lease
-        if lease is not None and not lease.valid():
+        if not self.queue.lease_valid():
             return None
         self.expire()
         if not self.ready:
@@ -348,11 +350,10 @@ class QueueChannel:
     # -- settlement ------------------------------------------------------------
     def settle(self, qm: QueuedMessage, consumer: Consumer | None) -> None:
         """An unacked delivery is done with (acked, or rejected without requeue)."""
-        lease = self.queue.lease
-        if lease is not None:
+        if self.queue.lease is not None:
             # A late ack after the lease ran out: the check gives the queue up
             # first, so the ack reaches neither the store nor the consumers.
-            lease.valid()
+            self.queue.lease_valid()
         self.unacked -= 1
         self.acked += 1
         if consumer is not None:
@@ -392,9 +393,7 @@ class QueueChannel:
 
     def requeue(self, items: Iterable[tuple[QueuedMessage, Consumer | None]]) -> None:
         """Put unacked deliveries back in their original order, marked redelivered."""
-        lease = self.queue.lease
-        if lease is not None:
-            lease.valid()  # as settle: a queue given up takes nothing back
+        self.queue.lease_valid()  # as settle: a queue given up takes nothing back
         back: list[QueuedMessage] = []
         over: list[QueuedMessage] = []  # returned more often than x-delivery-limit
         limit = self.queue.args.delivery_limit
@@ -691,7 +690,7 @@ class Queue:
         # Cluster: set while another node owns the queue (or it is being taken
         # over); publishes go there and consumers are served through a proxy.
         # Set through set_remote (core/engine/ownership.py says when).
-        self.remote: QueueRemote | None = None
+        self.remote: Remote | None = None
         # The lease this node serves the queue under, while it owns it in a
         # cluster (see guard); None when nothing can take the queue away.
         self.lease: Lease | None = None
@@ -735,8 +734,7 @@ class Queue:
 
     def enqueue(self, message: Message) -> bool:
         """Add ``message``; False when the queue refused it (x-overflow reject-publish*)."""
-        lease = self.lease
-        if lease is not None and not lease.valid() and self.deleted:
+        if self.lease is not None and not self.lease_valid() and self.deleted:
             return False  # the lease ran out and the queue went with it (nothing of it was stored)
         if self.remote is not None:
             self.remote.forward(message)
@@ -761,8 +759,7 @@ class Queue:
 
     def enqueue_many(self, messages: list[Message]) -> list[bool]:
         """``enqueue`` each of ``messages`` in order (a batch another node forwarded)."""
-        lease = self.lease
-        if lease is not None and not lease.valid():
+        if not self.lease_valid():
             return [self.enqueue(m) for m in messages]  # given up just now: on to the new owner
         if (self.remote is not None or self._limited or len(self.channels) != 1
                 or type(self).enqueue is not Queue.enqueue):  # limits, filters, a stream's own enqueue
@@ -1013,19 +1010,22 @@ class Queue:
 
     # -- ownership (core/engine/ownership.py decides; a coordinator calls these) ----
     def guard(self, lease: Lease | None) -> None:
-        """Serve only while ``lease`` holds (None: nothing to check).
-
-        Enqueue, delivery, settlement and get check it first: one clock read
-        per call, on queues a cluster node owns only.
-        """
+        """Serve only while ``lease`` holds (None: nothing to check); ``lease_valid`` is the check."""
         self.lease = lease
 
     def lease_valid(self) -> bool:
-        """May this node serve the queue now? (Past the lease, the check itself gives it up.)"""
-        lease = self.lease
-        return lease is None or lease.valid()
+        """May this node serve the queue now? The one lease check, made before every enqueue,
+        delivery, settlement and get (core/engine/ownership.py).
 
-    def set_remote(self, remote: QueueRemote | None) -> QueueRemote | None:
+        Past the lease's deadline it gives the lease up first (``Lease.enforce``: every owned queue is
+        lost, this one included) and answers False. One clock read, on queues a cluster node owns
+        only: the hot paths (enqueue, dispatch, settle) test ``lease is not None`` before calling it,
+        which keeps a queue without a lease (every queue of a single node) at one comparison.
+        """
+        lease = self.lease
+        return lease is None or lease.enforce()
+
+    def set_remote(self, remote: Remote | None) -> Remote | None:
         """What stands in for the owner from now on (a proxy, a loading gate; None: served here); the one before."""
         previous, self.remote = self.remote, remote
         if remote is not None:

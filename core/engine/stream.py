@@ -35,13 +35,12 @@ from typing import TYPE_CHECKING, Any
 from core.engine.queue import Queue
 from core.engine.stream_args import OffsetSpec
 from core.engine.stream_index import StoredIndex
-from core.engine.stream_reader import StreamReader
+from core.engine.stream_reader import LogChannel, StreamReader
 from core.model.clock import TimerHandle
 from core.model.errors import NotImplementedFeature
 from core.model.message import Message, QueuedMessage
 
 if TYPE_CHECKING:
-    from core.cluster.stream_proxy import RemoteStreamReader
     from core.engine.queue_args import QueueArgs
 
 # A reader behind the in-memory log reads this many messages from the store at once,
@@ -82,7 +81,7 @@ class StreamQueue(Queue):
         self.log_bytes = 0  # every retained message
         self.mem_bytes = 0  # those in memory
         # Readers here; on a node that does not own the stream, proxies of readers on its owner.
-        self.readers: list[StreamReader | RemoteStreamReader] = []
+        self.readers: list[LogChannel] = []
         self.groups: dict[str, StreamReader] = {}
         self.committed: dict[str, int] = {}
         self._age_timer: TimerHandle | None = None
@@ -162,8 +161,7 @@ class StreamQueue(Queue):
         return True
 
     def enqueue(self, message: Message) -> bool:
-        lease = self.lease
-        if lease is not None and not lease.valid() and self.deleted:
+        if not self.lease_valid() and self.deleted:
             return False  # the lease ran out: this copy of the stream is gone (Queue.enqueue)
         if self.remote is not None:  # cluster: another node owns the stream
             self.remote.forward(message)

@@ -161,7 +161,7 @@ def parse_consumer(arguments: dict[str, Any]) -> tuple[OffsetSpec, str | None]:
     return spec, group
 
 
-# How a node that does not own a stream asks the owner for a reader (core/stream_proxy.py):
+# How a node that does not own a stream asks the owner for a reader (core/cluster/stream_proxy.py):
 # the consumer's own arguments plus these, which only nodes send to each other.
 _FROM_TIMESTAMP = "x-leveret-from-timestamp"  # seconds, a float (an AMQP timestamp has whole seconds)
 _COMMIT_ON_SETTLE = "x-leveret-commit-on-settle"

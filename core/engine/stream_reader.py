@@ -15,18 +15,22 @@ import asyncio
 import logging
 from collections import deque
 from collections.abc import Iterable
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from core.engine.queue import Consumer, QueueChannel
 from core.model import properties
 from core.model.message import Message, QueuedMessage
+from core.model.tasks import spawn
 from core.ports.store import StoredMessage, StoreError
 
 if TYPE_CHECKING:
-    from core.durable.durability import QueueStorage
     from core.engine.stream import StreamQueue
+    from core.ports.storage import QueueStorage
 
 log = logging.getLogger("leveret.core")
+
+# Page reads under way (spawn holds them until done: the loop keeps only weak references).
+_loads: set[asyncio.Task[Any]] = set()
 
 
 def _queued(sm: StoredMessage) -> QueuedMessage:
@@ -40,12 +44,18 @@ def _queued(sm: StoredMessage) -> QueuedMessage:
 
 
 class LogChannel(QueueChannel):
-    """What every reader of a stream shares, here or through the owner (core/stream_proxy.py).
+    """What every reader of a stream shares, here or through the owner (core/cluster/stream_proxy.py).
 
     A log is read, not consumed: nothing is pushed into a reader, it has no
     ready list to get from or purge, and a reject, nack or requeue cannot
     take a message back, so it settles like an ack.
     """
+
+    cursor: int  # offset of the next message to deliver (-1: the owner delivers, not local appends)
+
+    def cancel_all(self) -> None:
+        """The stream went away here (deleted, or rebuilt for a new owner): cancel every consumer."""
+        raise NotImplementedError
 
     def push(self, qm: QueuedMessage) -> None:
         raise AssertionError("a stream reader reads the log; nothing is pushed into it")
@@ -105,8 +115,7 @@ class StreamReader(LogChannel):
         c = self._active
         if c is None or self._dispatching:
             return
-        lease = self.queue.lease
-        if lease is not None and not lease.valid():
+        if not self.queue.lease_valid():
             return  # the node's lease ran out: the stream was just given up (Queue.guard)
         stream = self.queue
         self._dispatching = True
@@ -167,7 +176,7 @@ class StreamReader(LogChannel):
             return
         self._loading = True
         limit = self.queue.page_limit(start)
-        asyncio.get_running_loop().create_task(self._load(storage, start, self.queue.mem_first, limit, self._seeks))
+        spawn(self._load(storage, start, self.queue.mem_first, limit, self._seeks), _loads)
 
     async def _load(self, storage: QueueStorage, start: int, below: int, limit: int, seeks: int) -> None:
         rows = None
@@ -193,9 +202,7 @@ class StreamReader(LogChannel):
 
     # -- settlement: acks only move credit (and a group's committed offset) ---------
     def settle(self, qm: QueuedMessage, consumer: Consumer | None) -> None:
-        lease = self.queue.lease
-        if lease is not None:
-            lease.valid()  # a late ack after the lease ran out commits no offset (the stream is given up first)
+        self.queue.lease_valid()  # a late ack after the lease ran out commits no offset (the stream is given up first)
         self.unacked -= 1
         if consumer is not None:
             consumer.unacked -= 1

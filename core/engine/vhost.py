@@ -492,6 +492,34 @@ class VirtualHost:
                 pending.extend(d.route(rk, message))
         return out
 
+    def route_keys(self, exchange: Exchange | None, message: Message, keys: tuple[str, ...]) -> list[Queue]:
+        """``route`` by each of ``keys`` (sender-selected distribution, core/engine/publish.py), each queue once.
+
+        Exchange-to-exchange bindings are followed with every key, as RabbitMQ does; the alternate
+        exchange takes the message only when no key routes anywhere, and routes it by its own key.
+        """
+        out: list[Queue] = []
+        if exchange is None:
+            for key in keys:
+                q = self.queues.get(key)
+                if q is not None and q not in out:
+                    out.append(q)
+            return out
+        exchange.published_in += 1
+        seen_x: set[int] = {id(exchange)}
+        pending: list[Destination] = [d for key in keys for d in exchange.route(key, message)]
+        if not pending:
+            return self._alternate(exchange, message)
+        while pending:
+            d = pending.pop(0)
+            if isinstance(d, Queue):
+                if d not in out:
+                    out.append(d)
+            elif id(d) not in seen_x:
+                seen_x.add(id(d))
+                pending.extend(found for key in keys for found in d.route(key, message))
+        return out
+
     def _alternate(self, exchange: Exchange, message: Message) -> list[Queue]:
         """Unroutable on ``exchange``: try its alternate exchange chain (loops stop)."""
         seen = {exchange.name}

@@ -23,8 +23,7 @@ from typing import Any
 
 import grpc
 
-from core.cluster.forwarding import released
-from core.engine import access, flow, limits, publish
+from core.engine import access, entry, flow, limits, publish
 from core.engine.broker import Broker, User
 from core.engine.publish import Outcome
 from core.engine.queue import Consumer, Queue, QueueChannel
@@ -32,7 +31,7 @@ from core.engine.stream import StreamQueue
 from core.engine.topic import topic_matches
 from core.engine.vhost import VirtualHost
 from core.model import properties
-from core.model.errors import BrokerError, PreconditionFailed
+from core.model.errors import AccessRefused, BrokerError
 from core.model.message import Message, QueuedMessage
 from leveret_client.proto import leveret_pb2 as pb
 from leveret_client.proto import leveret_pb2_grpc as pb_grpc
@@ -88,15 +87,13 @@ class ApiError(Exception):
 def message_properties(
     user: User, given: Any, persistent: bool
 ) -> tuple[bytes, properties.PropertySummary]:
-    """A pushed message's property bytes and summary; a user-id other than the caller's is refused, as in AMQP."""
+    """A pushed message's property bytes and summary, past the entry checks every front end makes
+    (core/engine/entry.py: no other user's id, an expiration in milliseconds)."""
     if not len(given):
         return _PERSISTENT if persistent else _TRANSIENT
     props = encode_properties(dict(given), persistent)
     summary = properties.scan(props)
-    if summary.user_id is not None and summary.user_id != user.name:
-        raise PreconditionFailed(
-            f"user_id property set to '{summary.user_id}' but authenticated user was '{user.name}'"
-        )
+    entry.check_properties(summary, user.name)
     return props, summary
 
 
@@ -270,7 +267,11 @@ class BrokerServicer(pb_grpc.BrokerServicer):
         self.broker = broker
         self.delivery_ids = itertools.count(1)
         self.deliveries: dict[int, Subscription] = {}
-        self.watchers: list[asyncio.Queue[pb.ClusterEvent]] = []
+        self.watchers: list[Watcher] = []
+        # Live streams (Subscribe, WatchCluster, Streams.Subscribe): each checks again, when its
+        # user changes, that the user may still read; one that may not ends (docs/SECURITY.md).
+        self.live: set[LiveCall] = set()
+        broker.on_user_changed.append(self._user_changed)
         self._channel_names = itertools.count(1)
         # (username, password, peer host) -> user: one PBKDF2 check per client, not per call.
         self._logins: dict[tuple[str, bytes, str | None], User] = {}
@@ -279,10 +280,17 @@ class BrokerServicer(pb_grpc.BrokerServicer):
         self.region = ""
         # Each member: NodeEntry's fields (id, region, grpc, amqp, queues, draining).
         self.members: Callable[[], list[dict[str, Any]]] | None = None
-        for vh in broker.vhosts.values():
-            self._observe(vh)
+        self._observed: dict[str, VirtualHost] = {}
+        self._observe_all()
 
     # -- plumbing ----------------------------------------------------------------
+    def _observe_all(self) -> None:
+        """Queue events of every vhost, those added since the last call too (a new watch calls it)."""
+        for vh in self.broker.vhosts.values():
+            if self._observed.get(vh.name) is not vh:  # new, or deleted and declared again
+                self._observed[vh.name] = vh
+                self._observe(vh)
+
     def _observe(self, vh: VirtualHost) -> None:
         vh.on_queue_declared.append(lambda q: self._event(pb.ClusterEvent.QUEUE_CREATED, q))
         vh.on_queue_deleted.append(lambda q: self._event(pb.ClusterEvent.QUEUE_DELETED, q))
@@ -297,8 +305,24 @@ class BrokerServicer(pb_grpc.BrokerServicer):
             queue=q.name,
             timestamp_ms=int(time.time() * 1000),
         )
+        self._tell_watchers(ev)
+
+    def _tell_watchers(self, ev: pb.ClusterEvent) -> None:
+        """Each watcher sees node events, and queue events of the vhosts its user may use (no names
+        of other tenants' queues)."""
+        users = self.broker.users
         for w in self.watchers:
-            w.put_nowait(ev)
+            if ev.vhost:
+                user = users.get(w.user)
+                if user is None or ev.vhost not in user.vhosts:
+                    continue
+            w.events.put_nowait(ev)
+
+    def _user_changed(self, name: str) -> None:
+        for live in [c for c in self.live if c.user == name]:
+            reason = revoked(self.broker, live.user, live.vhost, live.queues)
+            if reason is not None:
+                live.end(reason, deleted=live.user not in self.broker.users)
 
     _CLUSTER_KINDS = {
         "node-added": pb.ClusterEvent.NODE_ADDED,
@@ -313,15 +337,14 @@ class BrokerServicer(pb_grpc.BrokerServicer):
             return
         ev = pb.ClusterEvent(kind=code, node=node, vhost=vhost, queue=queue,  # type: ignore[arg-type]
                              timestamp_ms=int(time.time() * 1000))
-        for w in self.watchers:
-            w.put_nowait(ev)
+        self._tell_watchers(ev)
 
     def close(self) -> None:
         """Server stopping: end every watch stream."""
         for w in self.watchers:
-            w.put_nowait(pb.ClusterEvent(kind=pb.ClusterEvent.KIND_UNSPECIFIED))
+            w.events.put_nowait(pb.ClusterEvent(kind=pb.ClusterEvent.KIND_UNSPECIFIED))
 
-    def _login(self, context: grpc.aio.ServicerContext) -> tuple[User, VirtualHost]:
+    def login(self, context: grpc.aio.ServicerContext) -> tuple[User, VirtualHost]:
         md = {k: v for k, v in (context.invocation_metadata() or ())}
         username, password = md.get("username"), md.get("password")
         if not isinstance(username, str) or not isinstance(password, str):
@@ -343,7 +366,7 @@ class BrokerServicer(pb_grpc.BrokerServicer):
         vh = self.broker.open_vhost(user, str(vhost))
         return user, vh
 
-    def _grants(self, user: User, vh: VirtualHost) -> access.Grants:
+    def grants(self, user: User, vh: VirtualHost) -> access.Grants:
         """The AMQP permission checks (core/engine/access.py), mapped: CreateQueue, DeleteQueue,
         CreateChannel and DeleteChannel are configure on the queue; Push and PushBatch are a
         publish to the default exchange (write on ``amq.default``); Subscribe is read on the queue."""
@@ -399,10 +422,10 @@ class BrokerServicer(pb_grpc.BrokerServicer):
     # -- queues ------------------------------------------------------------------
     async def CreateQueue(self, request: pb.CreateQueueRequest, context: Any) -> pb.QueueInfo:
         async with _errors(context):
-            user, vh = self._login(context)
+            user, vh = self.login(context)
             if not request.name:
                 raise ApiError(grpc.StatusCode.INVALID_ARGUMENT, "a queue name is required")
-            access.check(self._grants(user, vh), "configure", "queue", request.name)
+            access.check(self.grants(user, vh), "configure", "queue", request.name)
             limits.check_queue(vh.name, self.broker.vhost_limits.get(vh.name, {}), vh.queues, request.name)
             if request.name in vh.queues and not request.exist_ok:
                 raise ApiError(grpc.StatusCode.ALREADY_EXISTS,
@@ -412,32 +435,32 @@ class BrokerServicer(pb_grpc.BrokerServicer):
                 arguments["x-max-length"] = request.max_length
             if request.message_ttl_ms:
                 arguments["x-message-ttl"] = request.message_ttl_ms
-            q = await self.broker.cluster.declare_queue(vh, request.name, GRPC_OWNER, request.durable, False,
+            q = await self.broker.coordinator.declare_queue(vh, request.name, GRPC_OWNER, request.durable, False,
                                                         request.auto_delete, arguments)
             return self._queue_info(q)
         raise AssertionError("unreachable")
 
     async def DeleteQueue(self, request: pb.DeleteQueueRequest, context: Any) -> pb.DeleteQueueResponse:
         async with _errors(context):
-            user, vh = self._login(context)
-            access.check(self._grants(user, vh), "configure", "queue", request.name)
+            user, vh = self.login(context)
+            access.check(self.grants(user, vh), "configure", "queue", request.name)
             self._queue(vh, request.name)  # NOT_FOUND for a missing queue, unlike AMQP
-            n = await self.broker.cluster.delete_queue(vh, request.name, GRPC_OWNER, request.if_unused,
+            n = await self.broker.coordinator.delete_queue(vh, request.name, GRPC_OWNER, request.if_unused,
                                                        request.if_empty)
             return pb.DeleteQueueResponse(messages_dropped=n)
         raise AssertionError("unreachable")
 
     async def ListQueues(self, request: pb.ListQueuesRequest, context: Any) -> pb.ListQueuesResponse:
         async with _errors(context):
-            _, vh = self._login(context)
+            _, vh = self.login(context)
             return pb.ListQueuesResponse(queues=[self._queue_info(q) for q in vh.queues.values()])
         raise AssertionError("unreachable")
 
     # -- channels ----------------------------------------------------------------
     async def CreateChannel(self, request: pb.CreateChannelRequest, context: Any) -> pb.ChannelInfo:
         async with _errors(context):
-            user, vh = self._login(context)
-            access.check(self._grants(user, vh), "configure", "queue", request.queue)
+            user, vh = self.login(context)
+            access.check(self.grants(user, vh), "configure", "queue", request.queue)
             q = self._not_stream(self._queue(vh, request.queue))
             name = request.name or f"ch-{next(self._channel_names)}-{os.urandom(3).hex()}"
             if "/" in name:
@@ -453,9 +476,10 @@ class BrokerServicer(pb_grpc.BrokerServicer):
 
     async def DeleteChannel(self, request: pb.DeleteChannelRequest, context: Any) -> pb.DeleteChannelResponse:
         async with _errors(context):
-            user, vh = self._login(context)
+            user, vh = self.login(context)
+            # The permission first: a refused caller learns nothing of what exists (no 404/403 oracle).
+            access.check(self.grants(user, vh), "configure", "queue", request.id.rpartition("/")[0])
             ch = self._channel(vh, request.id)
-            access.check(self._grants(user, vh), "configure", "queue", ch.queue.name)
             if ch is ch.queue.default:
                 raise ApiError(grpc.StatusCode.FAILED_PRECONDITION,
                                "the default channel goes with its queue (DeleteQueue)")
@@ -465,7 +489,7 @@ class BrokerServicer(pb_grpc.BrokerServicer):
 
     async def ListChannels(self, request: pb.ListChannelsRequest, context: Any) -> pb.ListChannelsResponse:
         async with _errors(context):
-            _, vh = self._login(context)
+            _, vh = self.login(context)
             queues = [self._queue(vh, request.queue)] if request.queue else list(vh.queues.values())
             return pb.ListChannelsResponse(
                 channels=[self._channel_info(ch) for q in queues for ch in q.channels]
@@ -492,7 +516,7 @@ class BrokerServicer(pb_grpc.BrokerServicer):
             raise ApiError(grpc.StatusCode.RESOURCE_EXHAUSTED, f"queue '{q.name}' is full (x-overflow)")
         return message, offset, outcome
 
-    async def _committed(self) -> None:
+    async def committed(self) -> None:
         """Wait for the group commit of everything so far (a committed stream offset)."""
         committer = self.broker.committer
         assert committer is not None
@@ -509,8 +533,8 @@ class BrokerServicer(pb_grpc.BrokerServicer):
 
     async def Push(self, request: pb.PushRequest, context: Any) -> pb.PushResponse:
         async with _errors(context):
-            user, vh = self._login(context)
-            access.publish(self._grants(user, vh), "")
+            user, vh = self.login(context)
+            entry.target(vh, self.grants(user, vh), "", request.queue)  # a publish to the default exchange
             q = self._queue(vh, request.queue)
             # A resource alarm (memory, disk) holds pushes as it blocks AMQP publishers.
             await self.broker.alarms.wait_clear()
@@ -521,15 +545,15 @@ class BrokerServicer(pb_grpc.BrokerServicer):
             finally:
                 flow.swap(previous)
             # Flow control: while the queue is behind its consumers the answer waits.
-            await released(call)
+            await flow.released(call)
             await self.settled([outcome])
             return pb.PushResponse(id=message.id, offset=offset)
         raise AssertionError("unreachable")
 
     async def PushBatch(self, request: pb.PushBatchRequest, context: Any) -> pb.PushBatchResponse:
         async with _errors(context):
-            user, vh = self._login(context)
-            access.publish(self._grants(user, vh), "")
+            user, vh = self.login(context)
+            entry.target(vh, self.grants(user, vh), "", request.queue)  # a publish to the default exchange
             q = self._queue(vh, request.queue)
             response = pb.PushBatchResponse()
             add = response.results.add
@@ -543,7 +567,7 @@ class BrokerServicer(pb_grpc.BrokerServicer):
                 if i and not i % PUSH_SLICE:
                     # A loop turn between slices for everyone else; wait while flow control holds.
                     await asyncio.sleep(0)
-                    await released(call)
+                    await flow.released(call)
                     if q.deleted:
                         raise ApiError(grpc.StatusCode.NOT_FOUND,
                                        f"queue '{q.name}' was deleted during the batch; the {i} before it were pushed")
@@ -558,7 +582,7 @@ class BrokerServicer(pb_grpc.BrokerServicer):
                 add(id=message.id, offset=offset)
                 if not outcome.settled:
                     outcomes.append(outcome)
-            await released(call)
+            await flow.released(call)
             await self.settled(outcomes)
             return response
         raise AssertionError("unreachable")
@@ -566,11 +590,12 @@ class BrokerServicer(pb_grpc.BrokerServicer):
     # -- subscribe ---------------------------------------------------------------
     async def Subscribe(self, request: pb.SubscribeRequest, context: Any) -> AsyncIterator[pb.SubscribeResponse]:
         sub: Subscription | None = None
+        live: LiveCall | None = None
         try:
             async with _errors(context):
-                user, vh = self._login(context)
+                user, vh = self.login(context)
+                access.read_queue(self.grants(user, vh), request.channel_id.rpartition("/")[0])
                 qch = self._channel(vh, request.channel_id)
-                access.read_queue(self._grants(user, vh), qch.queue.name)
                 if qch is not qch.queue.default:
                     self._owned_here(qch.queue, "subscribe to channels other than the default one")
                 sub = Subscription(
@@ -579,10 +604,12 @@ class BrokerServicer(pb_grpc.BrokerServicer):
                 )
                 qch.add_consumer(sub.consumer, dispatch=False)
             assert sub is not None
+            live = LiveCall(user.name, vh.name, (sub.qch.queue.name,), sub.wakeup.set)
+            self.live.add(live)
             # Headers first: the client knows the subscription is in place before any message.
             await context.send_initial_metadata(())
             sub.qch.dispatch()
-            while True:
+            while live.ended is None:
                 if not sub.pending:
                     if sub.cancelled:
                         break
@@ -592,8 +619,12 @@ class BrokerServicer(pb_grpc.BrokerServicer):
                 yield sub.take_batch()
                 if sub.auto_ack and not sub.cancelled:
                     sub.qch.dispatch()  # buffer space freed
+            if live.ended is not None:
+                await context.abort(live.status, live.ended)
             await context.abort(grpc.StatusCode.NOT_FOUND, f"queue '{sub.qch.queue.name}' or its channel was deleted")
         finally:
+            if live is not None:
+                self.live.discard(live)
             if sub is not None:
                 sub.close()
 
@@ -631,41 +662,91 @@ class BrokerServicer(pb_grpc.BrokerServicer):
 
     async def Ack(self, request: pb.AckRequest, context: Any) -> pb.AckResponse:
         async with _errors(context):
-            user, vh = self._login(context)
+            user, vh = self.login(context)
             return self._settle(request.delivery_ids, None, (user.name, vh.name))
         raise AssertionError("unreachable")
 
     async def Nack(self, request: pb.NackRequest, context: Any) -> pb.AckResponse:
         async with _errors(context):
-            user, vh = self._login(context)
+            user, vh = self.login(context)
             return self._settle(request.delivery_ids, request.requeue, (user.name, vh.name))
         raise AssertionError("unreachable")
 
     # -- cluster -----------------------------------------------------------------
     async def WatchCluster(self, request: pb.WatchClusterRequest, context: Any) -> AsyncIterator[pb.ClusterEvent]:
         async with _errors(context):
-            self._login(context)
-        events: asyncio.Queue[pb.ClusterEvent] = asyncio.Queue()
-        self.watchers.append(events)
+            user, vh = self.login(context)
+        self._observe_all()
+        watcher = Watcher(user.name)
+        # Ended (user deleted, vhost access gone): the empty event wakes the loop, which then aborts.
+        live = LiveCall(user.name, vh.name, (), lambda: watcher.events.put_nowait(pb.ClusterEvent()))
+        self.watchers.append(watcher)
+        self.live.add(live)
         try:
             yield pb.ClusterEvent(kind=pb.ClusterEvent.NODE_UP, node=self.broker.node_id,
                                   timestamp_ms=int(time.time() * 1000))
             while True:
-                ev = await events.get()
+                ev = await watcher.events.get()
+                if live.ended is not None:
+                    await context.abort(live.status, live.ended)
                 if ev.kind == pb.ClusterEvent.KIND_UNSPECIFIED:
                     return
                 yield ev
         finally:
-            self.watchers.remove(events)
+            self.live.discard(live)
+            self.watchers.remove(watcher)
 
     async def Nodes(self, request: pb.NodesRequest, context: Any) -> pb.NodesResponse:
         async with _errors(context):
-            self._login(context)
+            self.login(context)
             members = (self.members() if self.members is not None
                        else [{"id": self.broker.node_id, "region": self.region}])
             return pb.NodesResponse(node=self.broker.node_id, region=self.region,
                                     nodes=[pb.NodeEntry(**m) for m in members])
         raise AssertionError("unreachable")
+
+
+class Watcher:
+    """One WatchCluster stream: its user (events are filtered by what it may see) and its queue."""
+
+    def __init__(self, user: str) -> None:
+        self.user = user
+        self.events: asyncio.Queue[pb.ClusterEvent] = asyncio.Queue()
+
+
+class LiveCall:
+    """A stream running on a user's behalf; ``end`` stops it with the reason (its loop aborts)."""
+
+    def __init__(self, user: str, vhost: str, queues: tuple[str, ...], wake: Callable[[], None]) -> None:
+        self.user = user
+        self.vhost = vhost
+        self.queues = queues  # what it reads: read permission on each is needed to go on
+        self.wake = wake
+        self.ended: str | None = None
+        self.status = grpc.StatusCode.PERMISSION_DENIED
+
+    def end(self, reason: str, deleted: bool = False) -> None:
+        if self.ended is None:
+            self.ended = reason
+            if deleted:
+                self.status = grpc.StatusCode.UNAUTHENTICATED
+            self.wake()
+
+
+def revoked(broker: Broker, username: str, vhost: str, queues: tuple[str, ...]) -> str | None:
+    """Why ``username`` may no longer read ``queues`` of ``vhost`` (None: it still may)."""
+    user = broker.users.get(username)
+    if user is None:
+        return f"user '{username}' was deleted"
+    if vhost not in user.vhosts:
+        return f"access to vhost '{vhost}' refused for user '{username}'"
+    grants = broker.access.grants(username, vhost)
+    for queue in queues:
+        try:
+            access.read_queue(grants, queue)
+        except AccessRefused as exc:
+            return exc.text
+    return None
 
 
 def _peer_host(peer: str) -> str | None:

@@ -17,7 +17,7 @@ it, and offsets are committed by CommitOffset, or as messages are sent with
 In a cluster any node serves all of it: a stream another node owns is
 written through forwarding (Publish answers after the owner committed; the
 offset is the owner's to give, so it is 0 there), read through a reader the
-owner runs for this subscription (core/stream_proxy.py), and a group's
+owner runs for this subscription (``Queue.remote.open_stream_reader``, as AMQP), and a group's
 commit goes to the owner.
 """
 
@@ -32,23 +32,24 @@ from typing import Any
 
 import grpc
 
-from core.cluster.forwarding import PeerLink
-from core.cluster.stream_proxy import RemoteStreamReader, reachable, until_reachable
-from core.engine import access, partition, publish
-from core.engine.queue import Consumer, Queue, QueueChannel
-from core.engine.stream import StreamQueue, StreamReader
+from core.engine import access, entry, partition, publish
+from core.engine.queue import Consumer, Queue, QueueChannel, Remote
+from core.engine.stream import StreamQueue, reachable, until_reachable
 from core.engine.stream_args import FIRST, LAST, NEXT, OffsetSpec, parse_age, reader_arguments
+from core.engine.stream_reader import LogChannel
 from core.engine.vhost import VirtualHost
 from core.grpc_api.servicer import (
     DEFAULT_BATCH,
     DEFAULT_PREFETCH,
     ApiError,
     BrokerServicer,
+    LiveCall,
     _errors,
     decode_properties,
     message_properties,
 )
 from core.model import properties
+from core.model.errors import NotOwner
 from core.model.message import Message, QueuedMessage
 from leveret_client.proto import leveret_pb2 as pb
 from leveret_client.proto import leveret_pb2_grpc as pb_grpc
@@ -77,15 +78,18 @@ class StreamSubscription:
         self.max_batch = max_batch
         self.pending: deque[tuple[Consumer, QueuedMessage]] = deque()
         self.topics: dict[int, str] = {}  # id(consumer) -> topic as subscribed
+        self.remote: set[int] = set()  # id(consumer) of those reading through another node
         self.consumers: list[Consumer] = []
         self.wakeup = asyncio.Event()
         self.cancelled = False
         self.moved = False  # a stream read through another node lost its owner or moved
         self.closed = False
 
-    def add(self, topic: str, reader: StreamReader | RemoteStreamReader, tag: str) -> None:
+    def add(self, topic: str, reader: LogChannel, tag: str, remote: bool = False) -> None:
         c = Consumer(tag, reader, self, no_ack=False, prefetch=self.prefetch)
         self.topics[id(c)] = topic
+        if remote:
+            self.remote.add(id(c))
         self.consumers.append(c)
         reader.add_consumer(c, dispatch=False)
 
@@ -99,7 +103,7 @@ class StreamSubscription:
 
     def consumer_cancelled(self, consumer: Consumer) -> None:
         self.cancelled = True
-        if isinstance(consumer.channel, RemoteStreamReader) and not consumer.channel.queue.deleted:
+        if id(consumer) in self.remote and not consumer.channel.queue.deleted:
             self.moved = True
         self.wakeup.set()
 
@@ -152,8 +156,8 @@ class StreamSubscription:
 OWNER_WAIT = 5.0
 
 
-async def _owner_link(q: StreamQueue) -> PeerLink | None:
-    """The link to the node that owns ``q``, or None when this node owns it."""
+async def _owner(q: StreamQueue) -> Remote | None:
+    """The stand-in for the node that owns ``q`` (core/ports/remote.py), or None when this node owns it."""
     with contextlib.suppress(TimeoutError):
         await until_reachable(lambda: None if q.deleted else q, OWNER_WAIT)
     remote = q.remote
@@ -161,7 +165,7 @@ async def _owner_link(q: StreamQueue) -> PeerLink | None:
         return None
     if q.deleted or not reachable(q):
         raise ApiError(grpc.StatusCode.UNAVAILABLE, f"the owner of stream '{q.name}' is being replaced; retry shortly")
-    return remote.link
+    return remote
 
 
 class StreamsServicer(pb_grpc.StreamsServicer):
@@ -182,18 +186,18 @@ class StreamsServicer(pb_grpc.StreamsServicer):
     async def _info(vh: VirtualHost, name: str) -> pb.StreamInfo:
         info = pb.StreamInfo(name=name, partitioned=partition.exchange_of(vh, name) is not None)
         for q in partition.resolve(vh, name):
-            link = await _owner_link(q)
-            if link is None:
+            remote = await _owner(q)
+            if remote is None:
                 first, next_, messages, size, committed = (q.first_offset, q.next_offset, q.message_count,
                                                            q.log_bytes, q.committed)
             else:  # another node owns it: its figures are there
                 try:
-                    s = await link.stream_stats(q.vhost, q.name)
-                except grpc.aio.AioRpcError as exc:
+                    s = await remote.stream_figures()
+                except NotOwner as exc:
                     raise ApiError(grpc.StatusCode.UNAVAILABLE,
-                                   f"the owner of stream '{q.name}' did not answer: {exc.details()}") from exc
+                                   f"the owner of stream '{q.name}' did not answer: {exc.text}") from exc
                 first, next_, messages, size, committed = (s.first_offset, s.next_offset, s.messages, s.bytes,
-                                                           dict(s.committed))
+                                                           s.committed)
             p = info.partitions.add(stream=q.name, first_offset=first, next_offset=next_, messages=messages,
                                     bytes=size)
             p.committed.update(committed)
@@ -201,12 +205,12 @@ class StreamsServicer(pb_grpc.StreamsServicer):
 
     async def CreateStream(self, request: pb.CreateStreamRequest, context: Any) -> pb.StreamInfo:
         async with _errors(context):
-            user, vh = self.api._login(context)
+            user, vh = self.api.login(context)
             name = request.name
             if not name:
                 raise ApiError(grpc.StatusCode.INVALID_ARGUMENT, "a stream name is required")
             # A stream is a queue; a partitioned one an exchange too: configure on what is made.
-            grants = self.api._grants(user, vh)
+            grants = self.api.grants(user, vh)
             access.check(grants, "configure", "exchange" if request.partitions else "queue", name)
             if request.max_age and parse_age(request.max_age) is None:
                 raise ApiError(grpc.StatusCode.INVALID_ARGUMENT,
@@ -215,7 +219,7 @@ class StreamsServicer(pb_grpc.StreamsServicer):
             if exists and not request.exist_ok:
                 raise ApiError(grpc.StatusCode.ALREADY_EXISTS, f"'{name}' already exists in vhost '{vh.name}'")
             arguments = partition.stream_arguments(request.max_age or None, request.max_bytes or None)
-            coordinator = self.api.broker.cluster
+            coordinator = self.api.broker.coordinator
             if request.partitions:
                 await partition.declare(coordinator, vh, name, request.partitions, arguments)
             else:
@@ -226,27 +230,27 @@ class StreamsServicer(pb_grpc.StreamsServicer):
 
     async def GetStream(self, request: pb.GetStreamRequest, context: Any) -> pb.StreamInfo:
         async with _errors(context):
-            _, vh = self.api._login(context)
+            _, vh = self.api.login(context)
             return await self._info(vh, request.name)
         raise AssertionError("unreachable")
 
     async def DeleteStream(self, request: pb.DeleteStreamRequest, context: Any) -> pb.DeleteStreamResponse:
         async with _errors(context):
-            user, vh = self.api._login(context)
+            user, vh = self.api.login(context)
             kind = "exchange" if partition.exchange_of(vh, request.name) is not None else "queue"
-            access.check(self.api._grants(user, vh), "configure", kind, request.name)
-            dropped = await partition.remove(self.api.broker.cluster, vh, request.name)
+            access.check(self.api.grants(user, vh), "configure", kind, request.name)
+            dropped = await partition.remove(self.api.broker.coordinator, vh, request.name)
             return pb.DeleteStreamResponse(messages_dropped=dropped)
         raise AssertionError("unreachable")
 
     async def Publish(self, request: pb.PublishRequest, context: Any) -> pb.PublishResponse:
         async with _errors(context):
-            user, vh = self.api._login(context)
+            user, vh = self.api.login(context)
             topic = request.topic
             props, summary = message_properties(user, request.properties, True)
             x = partition.exchange_of(vh, topic)
             # As AMQP: a partitioned stream is a publish to its exchange, a plain one to the default exchange.
-            access.publish(self.api._grants(user, vh), topic if x is not None else "")
+            entry.target(vh, self.api.grants(user, vh), topic if x is not None else "", request.key)
             node = self.api.broker.node_id
             q: Queue
             if x is not None:
@@ -273,54 +277,61 @@ class StreamsServicer(pb_grpc.StreamsServicer):
 
     async def CommitOffset(self, request: pb.CommitOffsetRequest, context: Any) -> pb.CommitOffsetResponse:
         async with _errors(context):
-            user, vh = self.api._login(context)
+            user, vh = self.api.login(context)
             if not request.group:
                 raise ApiError(grpc.StatusCode.INVALID_ARGUMENT, "a group name is required")
-            access.read_queue(self.api._grants(user, vh), request.stream)
+            access.read_queue(self.api.grants(user, vh), request.stream)
             q = self._stream(vh, request.stream)
-            link = await _owner_link(q)
-            if link is not None:
+            remote = await _owner(q)
+            if remote is not None:
                 try:
-                    await link.commit_offset(q.vhost, q.name, request.group, request.offset)
-                except grpc.aio.AioRpcError as exc:
+                    await remote.commit_offset(request.group, request.offset)
+                except NotOwner as exc:
                     raise ApiError(grpc.StatusCode.UNAVAILABLE,
-                                   f"the owner of stream '{q.name}' did not commit the offset: {exc.details()}"
-                                   ) from exc
+                                   f"the owner of stream '{q.name}' did not commit the offset: {exc.text}") from exc
                 return pb.CommitOffsetResponse()
             q.set_committed(request.group, request.offset)
             if q.storage is not None:
-                await self.api._committed()
+                await self.api.committed()
             return pb.CommitOffsetResponse()
         raise AssertionError("unreachable")
 
     async def Subscribe(self, request: pb.StreamSubscribeRequest, context: Any) -> AsyncIterator[pb.StreamMessages]:
         sub: StreamSubscription | None = None
+        live: LiveCall | None = None
         try:
             async with _errors(context):
-                user, vh = self.api._login(context)
-                grants = self.api._grants(user, vh)
+                user, vh = self.api.login(context)
+                grants = self.api.grants(user, vh)
                 if not request.offsets:
                     raise ApiError(grpc.StatusCode.INVALID_ARGUMENT, "name at least one topic in offsets")
                 sub = StreamSubscription(request.prefetch or DEFAULT_PREFETCH, request.max_batch or DEFAULT_BATCH)
                 group = request.group or None
                 tag = f"grpc-stream-{next(self._tags)}"
+                read: list[str] = []
                 for topic, value in sorted(request.offsets.items()):
                     spec = offset_spec(value, request.from_timestamp_ms)
+                    if partition.exchange_of(vh, topic) is None:
+                        # The permission before the lookup: a refused caller learns nothing of what exists.
+                        access.read_queue(grants, topic)
                     for q in partition.resolve(vh, topic):
+                        read.append(q.name)
                         access.read_queue(grants, q.name)
-                        reader: StreamReader | RemoteStreamReader
-                        link = await _owner_link(q)
-                        if link is not None:  # another node owns it: its reader runs there
-                            reader = RemoteStreamReader(q, link, tag, reader_arguments(spec, group,
-                                                                                      request.auto_commit))
+                        reader: LogChannel
+                        remote = await _owner(q)
+                        if remote is not None:  # another node owns it: its reader runs there
+                            reader = remote.open_stream_reader(tag, reader_arguments(spec, group,
+                                                                                    request.auto_commit))
                         else:
                             reader = q.open_reader(spec, name=tag, group=group,
                                                    commit_on_settle=request.auto_commit)
-                        sub.add(topic, reader, tag)
+                        sub.add(topic, reader, tag, remote=remote is not None)
             assert sub is not None
+            live = LiveCall(user.name, vh.name, tuple(read), sub.wakeup.set)
+            self.api.live.add(live)
             await context.send_initial_metadata(())
             sub.dispatch()
-            while True:
+            while live.ended is None:
                 if not sub.pending:
                     if sub.cancelled:
                         break
@@ -330,10 +341,14 @@ class StreamsServicer(pb_grpc.StreamsServicer):
                 batch, taken = sub.take_batch()
                 yield batch
                 sub.sent(taken)
+            if live.ended is not None:  # the user was deleted or lost read permission
+                await context.abort(live.status, live.ended)
             if sub.moved:
                 await context.abort(grpc.StatusCode.UNAVAILABLE, "a stream of this subscription moved to another "
                                     "node or lost its owner; subscribe again to resume")
             await context.abort(grpc.StatusCode.NOT_FOUND, "a stream of this subscription was deleted")
         finally:
+            if live is not None:
+                self.api.live.discard(live)
             if sub is not None:
                 sub.close()

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import itertools
 import time
-from typing import Any
+from typing import Any, Protocol
 
 from core.model import properties
 
@@ -83,14 +83,40 @@ class Message:
         return self._headers
 
 
+class SettleHook(Protocol):
+    """Where settling a message is reported when the queue's owner is another node.
+
+    A non-owner node holds copies of the owner's deliveries for its local
+    consumers (core/cluster/wire.py ``ProxiedMessage``); the owner keeps them
+    unacked until the hook (the peer link they came through) reports what
+    became of them here.
+    """
+
+    def settle(self, qm: QueuedMessage) -> None:
+        """Acked (or rejected, after ``reject_next``) here: the owner settles it too."""
+        ...
+
+    def reject_next(self, qm: QueuedMessage) -> None:
+        """The coming ``settle`` of ``qm`` is a reject without requeue (the owner drops or dead-letters it)."""
+        ...
+
+    def keeps(self, qm: QueuedMessage) -> bool:
+        """May a requeued ``qm`` wait in the local ready list (its subscription still runs)?"""
+        ...
+
+    def give_back(self, qm: QueuedMessage) -> None:
+        """Requeued here, but its subscription ended: the owner requeues it."""
+        ...
+
+
 class QueuedMessage:
     """One message in one queue: its offset there, and how often it went out."""
 
     __slots__ = ("message", "offset", "redelivered", "delivery_count", "expires_at", "persisted")
 
-    # Set (in core.cluster.forwarding.ProxiedMessage) on a message a non-owner node
-    # received from the queue's owner: settling it is reported back there.
-    link: Any = None
+    # Set on a message a non-owner node received from the queue's owner (core/cluster/wire.py
+    # ProxiedMessage): settling it is reported back there. None: this node's own message.
+    link: SettleHook | None = None
 
     def __init__(self, message: Message, offset: int) -> None:
         self.message = message

@@ -7,7 +7,7 @@ path, not two"). Two implementations:
 - ``coordination.local.LocalCoordinator`` (a single node): applies the change
   to the local vhost at once; a durable one is answered once its topology
   write has committed in the store (group commit).
-- ``coordination.etcd.EtcdCluster`` (a cluster): agrees the change in etcd
+- ``coordination.etcd.EtcdCoordinator`` (a cluster): agrees the change in etcd
   first (so it races safely across nodes), then applies it to the local
   routing table; operations on a queue another node owns go to its owner.
 
@@ -21,13 +21,16 @@ turn, so the sans-IO state machine stays synchronous for it. Refusals (404,
 
 from __future__ import annotations
 
-from collections.abc import Awaitable, Generator
+from collections.abc import Awaitable, Callable, Generator
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Generic, Protocol, TypeVar
 
 if TYPE_CHECKING:
+    from core.engine.broker import User
     from core.engine.queue import Queue
     from core.engine.vhost import VirtualHost
     from core.model.message import QueuedMessage
+    from core.model.policy import Policy
 
 T = TypeVar("T")
 
@@ -53,7 +56,122 @@ class Immediate(Generic[T]):
         yield  # a generator that returns at once: awaiting it never suspends
 
 
-class Coordinator(Protocol):
+@dataclass(frozen=True)
+class Member:
+    """A node of the cluster as the coordinator knows it (a single node: itself)."""
+
+    id: str
+    region: str = ""
+    amqp: str = ""
+    grpc: str = ""
+    queues: int = 0  # queues it owns
+    draining: bool = False
+    started: float = 0.0  # time.time() it joined
+
+    def as_dict(self) -> dict[str, Any]:
+        return {"id": self.id, "region": self.region, "grpc": self.grpc, "amqp": self.amqp, "queues": self.queues,
+                "draining": self.draining}
+
+
+GLOBAL = "global"  # the component of global parameters, kept under the vhost "" (RabbitMQ's cluster_name)
+ParameterKey = tuple[str, str, str]  # (vhost, component, name)
+# Told of every runtime parameter change, this node's and other nodes': (vhost, component, name, value or None).
+ParameterListener = Callable[[str, str, str, Any], None]
+
+
+class Metadata(Protocol):
+    """The metadata and membership side of a coordinator: what every node shares besides the topology.
+
+    Users (with their permissions, topic permissions and user limits: one record), vhosts and their
+    limits, policies and operator policies, runtime and global parameters, named holds, members. A
+    write applies here at once, is stored, and reaches every other node: on a single node the local
+    coordinator delivers its own changes; in a cluster each node applies what the others write from
+    its etcd watch (no polling). The CLI, the management API, the node and the links use only this.
+    """
+
+    node_id: str
+
+    # -- users and vhosts ------------------------------------------------------------
+    async def save_user(self, user: User) -> None:
+        """Add or replace a user record (password, tags, vhosts, permissions, limits) everywhere."""
+        ...
+
+    async def delete_user(self, name: str) -> bool:
+        """The user goes everywhere (its connections close, 320); False when it did not exist."""
+        ...
+
+    def add_vhost(self, name: str) -> VirtualHost:
+        """The vhost on this node, made (and watched by the coordinator) if new; ``save_vhost`` stores it."""
+        ...
+
+    async def save_vhost(self, name: str) -> None:
+        """The vhost exists on every node, and across restarts."""
+        ...
+
+    async def delete_vhost(self, name: str) -> bool:
+        """Its stored record and limits go (other nodes keep theirs until restarted); False: none was stored."""
+        ...
+
+    async def set_vhost_limits(self, name: str, limits: dict[str, int]) -> None:
+        """The vhost's max-connections/max-queues on every node ({}: none)."""
+        ...
+
+    # -- policies ---------------------------------------------------------------------
+    async def set_policy(self, policy: Policy) -> bool:
+        """Applied to the vhost's live queues and exchanges on every node; True when it replaced one."""
+        ...
+
+    async def clear_policy(self, vhost: str, name: str, operator: bool) -> bool:
+        """False when there was no such policy here."""
+        ...
+
+    # -- runtime and global parameters (GLOBAL under the vhost "") ---------------------
+    async def parameters(self) -> dict[ParameterKey, Any]:
+        """Every runtime parameter as stored now."""
+        ...
+
+    async def set_parameter(self, vhost: str, component: str, name: str, value: Any) -> None:
+        """Stored, then delivered to every ``on_parameter`` listener of every node."""
+        ...
+
+    async def clear_parameter(self, vhost: str, component: str, name: str) -> None: ...
+
+    def on_parameter(self, listener: ParameterListener) -> None:
+        """Call ``listener`` for each parameter change from now on (this node's included)."""
+        ...
+
+    # -- named holds: exactly one node runs a shovel or a federation link ---------------
+    async def hold(self, kind: str, vhost: str, name: str) -> bool:
+        """True when this node holds it now (it may run it); a hold goes with its node."""
+        ...
+
+    async def holding(self, kind: str, vhost: str, name: str) -> bool:
+        """Still ours? (False once the lease is gone: stop at once.)"""
+        ...
+
+    async def release(self, kind: str, vhost: str, name: str) -> None: ...
+
+    async def holder(self, kind: str, vhost: str, name: str) -> str | None:
+        """The node holding it, if any."""
+        ...
+
+    def on_holds_changed(self, kind: str, listener: Callable[[], None]) -> None:
+        """Call ``listener`` when a hold of ``kind`` may have moved (released, its node gone, our lease lost)."""
+        ...
+
+    # -- members ----------------------------------------------------------------------
+    draining: bool
+
+    def members(self) -> list[Member]:
+        """The live nodes, in id order (a single node: itself)."""
+        ...
+
+    def owner_counts(self) -> dict[str, int]:
+        """Queues each live node owns (every queue, transient ones included)."""
+        ...
+
+
+class Coordinator(Metadata, Protocol):
     node_id: str
 
     def declare_exchange(

@@ -1,4 +1,4 @@
-"""``leveret cluster status|drain``: read and steer a cluster through etcd."""
+"""``leveret cluster status|drain``: read and steer a cluster through etcd (coordination/etcd_admin.py)."""
 
 from __future__ import annotations
 
@@ -8,7 +8,6 @@ import json
 import sys
 from typing import Any
 
-from coordination.keys import Layout, loads
 from leveret.node.regions import regions_of
 
 
@@ -40,8 +39,8 @@ def _settings(args: argparse.Namespace) -> tuple[list[str], str]:
 
 
 async def _client(endpoints: list[str]) -> Any:
-    from coordination.etcd import _endpoint
     from coordination.etcd_client import EtcdTLS, etcd_client
+    from coordination.etcd_session import endpoint
     from leveret.node.config import load
 
     # etcd's TLS files and login, as a node reads them (LEVERET_ETCD_* or the LEVERET_CONFIG file).
@@ -49,7 +48,7 @@ async def _client(endpoints: list[str]) -> Any:
     tls = EtcdTLS.from_files(cfg.etcd_cacert, cfg.etcd_cert, cfg.etcd_key)
     errors = []
     for url in endpoints:
-        host, port = _endpoint(url)
+        host, port = endpoint(url)
         client = etcd_client(host, port, 5, tls, cfg.etcd_user, cfg.etcd_password)
         try:
             await asyncio.wait_for(client.status(), 5)
@@ -61,43 +60,14 @@ async def _client(endpoints: list[str]) -> Any:
 
 
 async def snapshot(endpoints: list[str], cluster: str) -> dict[str, Any]:
-    layout = Layout(cluster)
+    from coordination.etcd_admin import status
+
     client = await _client(endpoints)
     try:
-        items = await client.get_prefix(layout.prefix.encode())
+        snap = await status(client, cluster)
     finally:
         await client.close()
-    nodes: dict[str, dict[str, Any]] = {}
-    queues: dict[tuple[str, str], dict[str, Any]] = {}
-    owners: dict[tuple[str, str], tuple[str, int]] = {}
-    for kv in items:
-        key = layout.parse(kv.key)
-        if key is None:
-            continue
-        if key.section == "nodes":
-            nodes[key.parts[0]] = loads(kv.value)
-        elif key.section == "queues":
-            queues[(key.parts[0], key.parts[1])] = loads(kv.value)
-        elif key.section == "owners":
-            owners[(key.parts[0], key.parts[1])] = (kv.value.decode(), kv.create_revision)
-    counts = {n: 0 for n in nodes}
-    for node, _ in owners.values():
-        counts[node] = counts.get(node, 0) + 1
-    node_list = [
-        {"id": n, "region": v.get("region", ""), "amqp": v.get("amqp", ""), "grpc": v.get("grpc", ""),
-         "queues": counts.get(n, 0), "draining": bool(v.get("draining", False))}
-        for n, v in sorted(nodes.items())
-    ]
-    return {
-        "nodes": node_list,
-        "regions": regions_of(node_list),
-        "queues": [
-            {"vhost": vq[0], "name": vq[1], "owner": owners.get(vq, ("", 0))[0] or None,
-             "epoch": owners.get(vq, ("", 0))[1], "durable": bool(meta.get("durable")),
-             "exclusive": bool(meta.get("exclusive")), "region": meta.get("region")}
-            for vq, meta in sorted(queues.items())
-        ],
-    }
+    return {"nodes": snap["nodes"], "regions": regions_of(snap["nodes"]), "queues": snap["queues"]}
 
 
 def _print_table(snap: dict[str, Any]) -> None:
@@ -122,13 +92,13 @@ def _print_table(snap: dict[str, Any]) -> None:
 
 
 async def drain(endpoints: list[str], cluster: str, node: str, wait: float) -> int:
-    layout = Layout(cluster)
+    from coordination.etcd_admin import request_drain
+
     client = await _client(endpoints)
     try:
-        if await client.get(layout.node(node)) is None:
+        if not await request_drain(client, cluster, node):
             print(f"leveret cluster drain: no live node {node!r} in cluster {cluster!r}", file=sys.stderr)
             return 1
-        await client.put(layout.drain(node), b"{}")
     finally:
         await client.close()
     deadline = asyncio.get_running_loop().time() + wait

@@ -1,11 +1,13 @@
-"""``leveret users ...`` and ``leveret vhosts ...``: durable users and vhosts, written through the store.
+"""``leveret users ...`` and ``leveret vhosts ...``: durable users and vhosts, written through the coordinator.
 
-A single node reads them at start (core.durable.durability), so it picks up a change
-when it restarts. In a cluster (``--etcd``, as for ``serve``) the change is
-written to etcd too, where every running node applies it at once (a user
-added, replaced or deleted; a vhost added); nodes only seed etcd with what
-it lacks, so without ``--etcd`` a cluster would keep the old record. Every
-command takes the store options of ``serve``.
+The records are written as a node writes them (coordination/metadata.py, the
+coordinator's metadata side): to the store, which a single node reads at
+start (core.durable.durability), so it picks up a change when it restarts;
+and in a cluster (``--etcd``, as for ``serve``) to etcd too, where every
+running node's watch applies it at once (a user added, replaced or deleted; a
+vhost added); nodes only seed etcd with what it lacks, so without ``--etcd`` a
+cluster would keep the old record. Every command takes the store options of
+``serve``.
 """
 
 from __future__ import annotations
@@ -14,9 +16,12 @@ import argparse
 import asyncio
 import json
 import sys
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from leveret.node.config import ConfigError, load
+
+if TYPE_CHECKING:
+    from coordination.metadata import StoredMetadata
 
 
 def _store_arguments(parser: argparse.ArgumentParser) -> None:
@@ -63,9 +68,8 @@ def add_parsers(sub: Any) -> None:
         _store_arguments(p)
 
 
-async def _users(args: argparse.Namespace, store: Any, cluster: _Cluster | None) -> int:
+async def _users(args: argparse.Namespace, store: Any, metadata: StoredMetadata) -> int:
     from core.engine.broker import User
-    from core.ports.store import UserRecord
     from leveret.node import passwords
 
     passwords.install()  # the record a node writes too: argon2id (core/engine/passwords.py)
@@ -73,18 +77,10 @@ async def _users(args: argparse.Namespace, store: Any, cluster: _Cluster | None)
     if args.users_command == "add":
         u = User.create(args.name, args.password, tags=tuple(sorted(set(args.tags))), vhosts=set(args.vhosts),
                         loopback_only=args.loopback_only)
-        await store.save_user(UserRecord(u.name, u.salt, u.password_hash, list(u.tags), sorted(u.vhosts),
-                                         u.loopback_only))  # fmt: skip
-        if cluster is not None:
-            from coordination.keys import user_value
-
-            await cluster.put(cluster.layout.user(args.name), user_value(u))
+        await metadata.save_user(u)
         print(f"user {args.name} saved")
     elif args.users_command == "delete":
-        found = await store.delete_user(args.name)
-        if cluster is not None:
-            found = await cluster.delete(cluster.layout.user(args.name)) or found
-        if not found:
+        if not await metadata.delete_user(args.name):
             print(f"leveret users: no user named {args.name!r}", file=sys.stderr)
             return 1
         print(f"user {args.name} deleted")
@@ -99,17 +95,12 @@ async def _users(args: argparse.Namespace, store: Any, cluster: _Cluster | None)
     return 0
 
 
-async def _vhosts(args: argparse.Namespace, store: Any, cluster: _Cluster | None) -> int:
+async def _vhosts(args: argparse.Namespace, store: Any, metadata: StoredMetadata) -> int:
     if args.vhosts_command == "add":
-        await store.save_vhost(args.name)
-        if cluster is not None:
-            await cluster.put(cluster.layout.vhost(args.name), b"{}")
+        await metadata.save_vhost(args.name)
         print(f"vhost {args.name} saved")
     elif args.vhosts_command == "delete":
-        found = await store.delete_vhost(args.name)
-        if cluster is not None:  # running nodes drop it when they restart
-            found = await cluster.delete(cluster.layout.vhost(args.name)) or found
-        if not found:
+        if not await metadata.delete_vhost(args.name):  # running nodes drop it when they restart
             print(f"leveret vhosts: no vhost named {args.name!r}", file=sys.stderr)
             return 1
         print(f"vhost {args.name} deleted")
@@ -117,22 +108,6 @@ async def _vhosts(args: argparse.Namespace, store: Any, cluster: _Cluster | None
         names = await store.load_vhosts()
         print(json.dumps(names) if args.json else "\n".join(names))
     return 0
-
-
-class _Cluster:
-    """The cluster's etcd, for the records every running node mirrors."""
-
-    def __init__(self, client: Any, name: str) -> None:
-        from coordination.keys import Layout
-
-        self.client = client
-        self.layout = Layout(name)
-
-    async def put(self, key: bytes, value: bytes) -> None:
-        await asyncio.wait_for(self.client.put(key, value), 10)
-
-    async def delete(self, key: bytes) -> bool:
-        return bool(await asyncio.wait_for(self.client.delete(key), 10))
 
 
 def main(args: argparse.Namespace) -> int:
@@ -152,19 +127,28 @@ def main(args: argparse.Namespace) -> int:
     from leveret.node.wiring import make_store
 
     async def go() -> int:
+        from coordination.metadata import StoredMetadata
+        from core.engine.broker import Broker
+
         store = make_store(config)
         await store.open()
-        cluster: _Cluster | None = None
+        client: Any = None
         try:
+            # No node runs here: the coordinator's metadata side on a broker of its own, writing the
+            # store and, with --etcd, the cluster's records.
+            metadata = StoredMetadata(Broker(default_user=None), store)
             if config.etcd and action != "list":
+                from coordination.etcd_records import EtcdRecords
+                from coordination.keys import Layout
                 from leveret.cli.cluster import _client
 
                 endpoints = [e.strip() for e in config.etcd.split(",") if e.strip()]
-                cluster = _Cluster(await _client(endpoints), config.cluster)
-            return await (_users(args, store, cluster) if group == "users" else _vhosts(args, store, cluster))
+                client = await _client(endpoints)
+                metadata.shared = EtcdRecords(lambda: client, Layout(config.cluster))
+            return await (_users(args, store, metadata) if group == "users" else _vhosts(args, store, metadata))
         finally:
-            if cluster is not None:
-                await cluster.client.close()
+            if client is not None:
+                await client.close()
             await store.close()
 
     try:

@@ -12,22 +12,24 @@ from typing import TYPE_CHECKING, Any
 
 from aiohttp import web
 
-from core.engine import limits
+from core.engine import access, limits
 from core.engine.broker import RABBIT_SHA256, Permission, User
 from core.engine.stats import QUEUE_FIELDS, queue_counters
 from core.model.policy import Policy, PolicyError
 from leveret import __version__
-from leveret.http import api_shovels, listing, metadata
-from leveret.http.api_topology import owner_counts
+from leveret.http import api_shovels, listing
+from leveret.http.api_topology import _refusal, owner_counts
 from leveret.http.errors import bad_request, not_found
 from leveret.http.rates import add_stats, stats_json
 from leveret.http.responses import created, json_response, no_content
 from leveret.http.views import LEVERET_PHC, queue_counts, user_json
+from leveret.links import identity
 from leveret.node import resources
 from leveret.node.regions import regions_of
 
 if TYPE_CHECKING:
     from core.engine.vhost import VirtualHost
+    from core.ports.coordinator import Member
     from leveret.http.routing import Router
     from leveret.http.server import Call
 
@@ -149,7 +151,7 @@ def _node_json(call: Call) -> dict[str, Any]:
         "sockets_used": len(call.node.amqp.connections), "proc_used": 1, "processors": os.cpu_count() or 1,
         "uptime": int((time.time() - call.api.started_at) * 1000), "partitions": [],
         "run_queue": 0, "rates_mode": "basic",
-        "being_drained": call.node.cluster is not None and call.node.cluster.draining,
+        "being_drained": call.broker.coordinator.draining,
         "region": call.node.config.region,
         "owned_queues": _owned_here(call),
         "applications": [{"name": "leveret", "description": PRODUCT, "version": __version__}],
@@ -157,13 +159,10 @@ def _node_json(call: Call) -> dict[str, Any]:
 
 
 def _owned_here(call: Call) -> int:
-    cluster = call.node.cluster
-    if cluster is None:
-        return sum(len(vh.queues) for vh in call.broker.vhosts.values())
-    return sum(1 for node, _ in cluster.mirror.owners.values() if node == call.node_name)
+    return call.broker.coordinator.owner_counts().get(call.node_name, 0)
 
 
-def _peer_json(call: Call, info: Any) -> dict[str, Any]:
+def _peer_json(call: Call, info: Member) -> dict[str, Any]:
     """Another member of the cluster, as etcd knows it (its own figures are on its own API)."""
     return {"name": info.id, "type": "disc", "running": True, "being_drained": info.draining,
             "uptime": int((time.time() - info.started) * 1000) if info.started else 0,
@@ -173,10 +172,7 @@ def _peer_json(call: Call, info: Any) -> dict[str, Any]:
 
 def _all_nodes(call: Call) -> list[dict[str, Any]]:
     out = [_node_json(call)]
-    cluster = call.node.cluster
-    if cluster is not None:
-        out.extend(_peer_json(call, info) for name, info in sorted(cluster.mirror.nodes.items())
-                   if name != call.node_name)
+    out.extend(_peer_json(call, info) for info in call.broker.coordinator.members() if info.id != call.node_name)
     return out
 
 
@@ -239,10 +235,10 @@ async def vhost_put(call: Call) -> web.Response:
     if not name:
         raise bad_request("a vhost name cannot be empty")
     existed = name in call.broker.vhosts
-    vh = metadata.add_vhost(call.node, name)
+    vh = call.broker.coordinator.add_vhost(name)
     vh.description, vh.tags = description, tags
     if not existed:
-        await metadata.save_vhost(call.node, name)
+        await call.broker.coordinator.save_vhost(name)
         # As RabbitMQ does: whoever creates a vhost over HTTP gets full permissions in it.
         call.user.vhosts.add(name)
         call.user.permissions[name] = Permission()
@@ -267,7 +263,7 @@ async def vhost_delete(call: Call) -> web.Response:
         user.vhosts.discard(vh.name)
         user.permissions.pop(vh.name, None)
         user.topic_permissions.pop(vh.name, None)
-    await metadata.delete_vhost(call.node, vh.name)
+    await call.broker.coordinator.delete_vhost(vh.name)
     return no_content()
 
 
@@ -352,7 +348,8 @@ def user_from_json(name: str, body: dict[str, Any], old: User | None) -> User:
 
 
 async def save_user(call: Call, user: User) -> None:
-    await metadata.save_user(call.node, user)
+    """Applied here, stored, and on every node of a cluster (the coordinator's metadata side)."""
+    await call.broker.coordinator.save_user(user)
 
 
 async def user_put(call: Call) -> web.Response:
@@ -366,7 +363,7 @@ async def user_put(call: Call) -> web.Response:
 
 async def user_delete(call: Call) -> web.Response:
     user = _user(call)
-    await metadata.delete_user(call.node, user.name)
+    await call.broker.coordinator.delete_user(user.name)
     return no_content()
 
 
@@ -530,21 +527,21 @@ async def policy_put(call: Call) -> web.Response:
     vh = call.vhost(write=True)
     operator = _operator(call)
     policy = policy_from_json(vh.name, call.params["name"], body, operator)
-    existed = policy.name in _store(vh, operator)
-    vh.set_policy(policy)  # applied to live queues and exchanges, stored, seen by every node
-    return created(existed)
+    # Applied to live queues and exchanges, stored, and applied by every node of a cluster.
+    return created(await call.broker.coordinator.set_policy(policy))
 
 
 async def policy_delete(call: Call) -> web.Response:
     vh = call.vhost(write=True)
-    if not vh.clear_policy(call.params["name"], operator=_operator(call)):
+    if not await call.broker.coordinator.clear_policy(vh.name, call.params["name"], _operator(call)):
         raise not_found(f"policy '{call.params['name']}' not found")
     return no_content()
 
 
 # -- parameters -----------------------------------------------------------------
 def _parameter_json(vh: VirtualHost, component: str, name: str, value: Any) -> dict[str, Any]:
-    return {"vhost": vh.name, "component": component, "name": name, "value": value}
+    return {"vhost": vh.name, "component": component, "name": name,
+            "value": identity.without_owner(component, value)}
 
 
 async def parameters(call: Call) -> Any:
@@ -623,6 +620,13 @@ async def aliveness(call: Call) -> Any:
     from leveret.http import declare
 
     vh = call.vhost(write=True)
+    # It declares, publishes and gets as the calling user: the same permission checks as any declare
+    # (a user may not create a queue in a vhost it may only look at, administrator or not).
+    grants = call.grants(vh)
+    with _refusal():
+        access.declare_queue(grants, "aliveness-test", {})
+        access.publish(grants, "")
+        access.read_queue(grants, "aliveness-test")
     q = await declare.declare_queue(call.broker, vh, "aliveness-test", False, False, {})
     outcome = publish.publish(call.broker, vh, None, Message("", q.name, b"\x00\x00", b"test_message",
                                                              node=call.node_name))

@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING, Any
 from aiohttp import web
 
 from leveret.http import listing
-from leveret.http.errors import not_found
+from leveret.http.errors import not_authorised, not_found
 from leveret.http.responses import no_content
 from leveret.http.views import channel_json, connection_json, connection_name, consumers_json
 
@@ -68,9 +68,13 @@ async def connection_get(call: Call) -> dict[str, Any]:
 async def connection_close(call: Call) -> web.Response:
     """Close with 320 CONNECTION_FORCED and the X-Reason header's text, as RabbitMQ does."""
     proto = _connection(call)
-    reason = call.request.headers.get("X-Reason", "Closed via management plugin")
     conn = proto.conn
     assert conn is not None
+    # Reading every connection is a monitoring user's right; closing one is its owner's or an
+    # administrator's (RabbitMQ's is_authorized_user: DELETE needs the administrator tag).
+    if conn.username != call.user.name and not call.has("administrator"):
+        raise not_authorised("User not authorised to access object")
+    reason = call.request.headers.get("X-Reason", "Closed via management plugin")
     log.info("connection closed through the management API",
              extra={"connection": connection_name(proto), "user": call.user.name, "reason": reason})
     conn.close(320, f"CONNECTION_FORCED - {reason}"[:255])

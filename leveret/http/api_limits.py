@@ -7,7 +7,6 @@ from typing import TYPE_CHECKING, Any
 from aiohttp import web
 
 from core.engine import limits
-from leveret.http import metadata
 from leveret.http.errors import bad_request, not_found
 from leveret.http.responses import no_content
 
@@ -51,7 +50,7 @@ async def vhost_limit_put(call: Call) -> web.Response:
     value = await _value(call, name, limits.VHOST_LIMITS, "limits")
     current = dict(call.broker.vhost_limits.get(vh.name, {}))
     current[name] = value
-    await metadata.save_vhost_limits(call.node, vh.name, current)
+    await call.broker.coordinator.set_vhost_limits(vh.name, current)
     return no_content()
 
 
@@ -59,7 +58,7 @@ async def vhost_limit_delete(call: Call) -> web.Response:
     vh = call.vhost(write=True)
     current = dict(call.broker.vhost_limits.get(vh.name, {}))
     if current.pop(call.params["name"], None) is not None:
-        await metadata.save_vhost_limits(call.node, vh.name, current)
+        await call.broker.coordinator.set_vhost_limits(vh.name, current)
     return no_content()
 
 
@@ -79,12 +78,12 @@ async def user_limit_put(call: Call) -> web.Response:
     user = _user(call, False)
     name = call.params["name"]
     user.limits[name] = await _value(call, name, limits.USER_LIMITS, "user-limits")
-    await metadata.save_user(call.node, user)
+    await call.broker.coordinator.save_user(user)
     return no_content()
 
 
 async def user_limit_delete(call: Call) -> web.Response:
     user = _user(call, False)
     if user.limits.pop(call.params["name"], None) is not None:
-        await metadata.save_user(call.node, user)
+        await call.broker.coordinator.save_user(user)
     return no_content()

@@ -8,7 +8,10 @@ from core.ports.store import StoreError
 from leveret.http import listing
 from leveret.http.errors import HttpError, bad_request, not_found
 from leveret.http.responses import no_content
-from leveret.links.shovel.spec import ParameterError, ShovelError
+from leveret.links import identity
+from leveret.links.federation.spec import UPSTREAM, UPSTREAM_SET
+from leveret.links.shovel.manager import HOLD
+from leveret.links.shovel.spec import COMPONENT, ParameterError, ShovelError
 
 if TYPE_CHECKING:
     from leveret.http.routing import Router
@@ -26,8 +29,33 @@ def _unavailable(exc: StoreError) -> HttpError:
     return HttpError(503, "service_unavailable", f"the store did not take the parameter: {exc}")
 
 
+def _owned(call: Call, component: str, value: Any) -> Any:
+    """A shovel's or federation upstream's value stamped with its owner, the setter (403 when the setter may
+    not reach what its URIs name: leveret/links/identity.py)."""
+    if component == UPSTREAM_SET and isinstance(value, list):
+        # A set's entry may override an upstream's uri: the setter must be allowed that URI itself.
+        _check(call, call.user.name, [e for e in value if isinstance(e, dict)], ("uri",))
+        return value
+    if component not in (COMPONENT, UPSTREAM) or not isinstance(value, dict):
+        return value
+    value = identity.stamped(call.broker, value, call.user)
+    keys = ("src-uri", "dest-uri") if component == COMPONENT else ("uri",)
+    _check(call, value[identity.OWNER_KEY], [value], keys)
+    return value
+
+
+def _check(call: Call, owner: str, values: list[dict[str, Any]], keys: tuple[str, ...]) -> None:
+    uris = [u for value in values for k in keys
+            for u in ([value[k]] if isinstance(value.get(k), str) else value.get(k) or []) if isinstance(u, str)]
+    try:
+        identity.check_set(call.broker, owner, uris, call.node.config.default_user)
+    except identity.LinkForbidden as exc:
+        raise HttpError(403, "access_refused", str(exc)) from None
+
+
 async def set_parameter(call: Call, vhost: str, component: str, name: str, value: Any) -> None:
-    """Validated (400), stored (503 when the store is down: nothing applied), applied on this node now."""
+    """Owned (403), validated (400), stored (503 when the store is down: nothing applied), applied here now."""
+    value = _owned(call, component, value)
     manager = call.node.shovels
     if manager is None:  # a node without a store (tests of the HTTP layer alone): memory only
         call.broker.vhosts[vhost].parameters[(component, name)] = value
@@ -80,6 +108,6 @@ async def shovel_restart(call: Call) -> Any:
     if manager is None or (vh.name, name) not in manager.specs:
         raise not_found(f"shovel '{name}' not found")
     if not await manager.restart(vh.name, name):
-        node = await manager.holder.holder(vh.name, name)
+        node = await call.broker.coordinator.holder(HOLD, vh.name, name)
         raise bad_request(f"shovel '{name}' runs on node {node or '(none yet)'}: restart it there")
     return no_content()

@@ -11,12 +11,12 @@ from typing import TYPE_CHECKING, Any
 
 from aiohttp import web
 
-from core.engine import access, limits, publish
+from core.engine import access, entry, limits, publish
 from core.engine.exchange import Exchange
 from core.engine.queue import Queue
 from core.engine.topic import topic_matches
 from core.model import properties
-from core.model.errors import AccessRefused
+from core.model.errors import AccessRefused, PreconditionFailed, ResourceLocked
 from core.model.message import Message
 from core.model.policy import Policy
 from leveret.http import declare, listing
@@ -101,16 +101,16 @@ async def owner_counts(call: Call, queues: list[Queue]) -> dict[int, tuple[int, 
     Asked concurrently (at most OWNER_COUNTS_CONCURRENCY at a time); a queue
     whose owner does not answer within OWNER_COUNTS_TIMEOUT keeps this node's view.
     """
-    cluster = call.broker.cluster
-    remote = [q for q in queues if q.remote is not None]
-    if cluster is None or not remote:
+    coordinator = call.broker.coordinator
+    remote = [q for q in queues if q.remote is not None]  # only a cluster has them
+    if not remote:
         return {}
     gate = asyncio.Semaphore(OWNER_COUNTS_CONCURRENCY)
     found: dict[int, tuple[int, int]] = {}
 
     async def one(q: Queue) -> None:
         async with gate:
-            found[id(q)] = await cluster.counts(q)
+            found[id(q)] = await coordinator.counts(q)
 
     try:
         await asyncio.wait_for(asyncio.gather(*(one(q) for q in remote)), timeout=OWNER_COUNTS_TIMEOUT)
@@ -137,6 +137,18 @@ def _queue(call: Call, write: bool = False) -> tuple[VirtualHost, Queue]:
     if q is None:
         raise not_found(f"no queue '{call.params['name']}' in vhost '{vh.name}'")
     return vh, q
+
+
+def _not_locked(vh: VirtualHost, q: Queue) -> None:
+    """Get, purge, delete and native channels after the permission check, as AMQP orders them: another
+    connection's exclusive queue is locked. No HTTP request owns a connection, so every exclusive queue
+    is. RabbitMQ's management API runs these as AMQP methods and answers the channel error 405 as 400
+    with the AMQP text."""
+    if q.exclusive_owner is not None:
+        try:
+            vh.get_queue(q.name, owner=None)
+        except ResourceLocked as exc:
+            raise bad_request(f"405 {exc.reply_text}") from None
 
 
 async def queue_get(call: Call) -> dict[str, Any]:
@@ -176,6 +188,7 @@ async def queue_delete(call: Call) -> web.Response:
     vh, q = _queue(call, write=True)
     with _refusal():
         access.delete_queue(call.grants(vh), q.name)
+    _not_locked(vh, q)
     await declare.delete_queue(call.broker, vh, q.name, _flag(call, "if-unused"), _flag(call, "if-empty"))
     return no_content()
 
@@ -188,6 +201,7 @@ async def queue_purge(call: Call) -> web.Response:
     vh, q = _queue(call, write=True)
     with _refusal():
         access.read_queue(call.grants(vh), q.name)
+    _not_locked(vh, q)
     await declare.purge_queue(call.broker, q)
     return no_content()
 
@@ -231,24 +245,22 @@ async def queue_get_messages(call: Call) -> list[dict[str, Any]]:
     vh, q = _queue(call, write=True)
     with _refusal("get"):
         access.read_queue(call.grants(vh), q.name)
-    cluster = call.broker.cluster
-    if q.remote is not None and (cluster is None or ackmode != "ack_requeue_false"):
+    _not_locked(vh, q)
+    if q.remote is not None and ackmode != "ack_requeue_false":
         raise bad_request(f"queue '{q.name}' is owned by node {q.remote.owner}: get with ackmode "
                           "ack_requeue_false here, or ask that node's API")
     requeue = ackmode.endswith("true")
     taken = []
     out = []
     for _ in range(count):
-        if q.remote is not None and cluster is not None:
-            qm, left = await cluster.get(q, True)  # taken for good at the owner
-        else:
-            # ack_requeue_false is a get without ack, as RabbitMQ does it (its get_no_ack):
-            # gone at once, counted in deliver_get and never in ack.
-            no_ack = ackmode == "ack_requeue_false"
-            qm = await q.default.get_loaded(no_ack)  # waits if the head is being read from the store (paging)
-            left = len(q.default.ready)
-            if qm is not None and not no_ack:
-                taken.append(qm)
+        # ack_requeue_false is a get without ack, as RabbitMQ does it (its get_no_ack): gone at
+        # once, counted in deliver_get and never in ack. The coordinator's get is basic.get's: it
+        # counts as use for x-expires, waits while the head is read from the store (paging), and
+        # on a queue another node owns takes the message at its owner (for good: ack_requeue_false).
+        no_ack = ackmode == "ack_requeue_false"
+        qm, left = await call.broker.coordinator.get(q, no_ack)
+        if qm is not None and not no_ack:
+            taken.append(qm)
         if qm is None:
             break
         payload = qm.message.body
@@ -310,6 +322,7 @@ async def channel_create(call: Call) -> web.Response:
     vh, q = _queue(call, write=True)
     with _refusal():
         access.check(call.grants(vh), "configure", "queue", q.name)
+    _not_locked(vh, q)
     name, topic = body.get("name"), body.get("topic", "")
     if not isinstance(name, str) or not name or "/" in name or name == "default":
         raise bad_request("name is required: a channel name without '/', other than 'default'")
@@ -331,6 +344,7 @@ async def channel_delete(call: Call) -> web.Response:
     vh, q = _queue(call, write=True)
     with _refusal():
         access.check(call.grants(vh), "configure", "queue", q.name)
+    _not_locked(vh, q)
     ch = _find_channel(q, call.params["channel"])
     if ch is q.default:
         raise bad_request("the default channel goes with its queue")
@@ -409,10 +423,9 @@ async def exchange_publish(call: Call) -> dict[str, Any]:
     routing_key = body.get("routing_key")
     if not isinstance(routing_key, str):
         raise bad_request("routing_key is required (a string)")
+    # The entry checks every front end makes (core/engine/entry.py), answered as RabbitMQ's API answers them.
     with _refusal("publish"):
-        access.publish(call.grants(vh), "" if x is None else x.name)
-        if x is not None and x.type == "topic":
-            access.check_topic(call.grants(vh), "write", x.name, routing_key)
+        entry.target(vh, call.grants(vh), "" if x is None else x.name, routing_key)
     payload = body.get("payload", "")
     if not isinstance(payload, str):
         raise bad_request("payload must be a string")
@@ -432,20 +445,16 @@ async def exchange_publish(call: Call) -> dict[str, Any]:
     unknown = sorted(set(props) - {name for _, name, _ in properties.FIELDS})
     if unknown:
         raise bad_request(f"unknown message properties: {', '.join(unknown)}")
-    expiration = props.get("expiration")
-    if expiration is not None and not (isinstance(expiration, (str, int)) and str(expiration).isdigit()):
-        raise bad_request(f"expiration must be a non-negative integer in a string, got {expiration!r}")
-    user_id = props.get("user_id")
-    if user_id is not None and user_id != call.user.name:
-        # As over AMQP: a publisher cannot claim another user's identity.
-        raise bad_request(f"user_id property set to '{user_id}' but authenticated user was '{call.user.name}'")
     try:
         raw = properties.encode(props)
     except (properties.PropertiesError, TypeError, ValueError) as exc:
         raise bad_request(f"properties do not encode: {exc}") from None
-    if x is not None and x.internal:
-        raise bad_request(f"cannot publish to internal exchange '{x.name}'")
-    message = Message(x.name if x else "", routing_key, raw, data, node=call.node_name)
+    summary = properties.scan(raw)
+    try:
+        entry.check_properties(summary, call.user.name)  # as over AMQP: no other user's id, a TTL in ms
+    except PreconditionFailed as exc:
+        raise bad_request(exc.text) from None
+    message = Message(x.name if x else "", routing_key, raw, data, summary, node=call.node_name)
     # The one publish path (core/engine/publish.py): answered once the message is where the
     # confirm rule says (committed for a persistent message on a durable queue, at its owner).
     outcome = publish.publish(call.broker, vh, x, message)

@@ -18,7 +18,7 @@ from core.engine.vhost import VirtualHost
 from core.model.errors import BrokerError
 from core.model.policy import Policy
 from leveret import __version__
-from leveret.http import api_shovels, declare, metadata
+from leveret.http import api_shovels, declare
 from leveret.http.api_admin import (
     PRODUCT,
     RABBIT_COMPAT_VERSION,
@@ -33,6 +33,7 @@ from leveret.http.api_admin import (
 from leveret.http.errors import bad_request
 from leveret.http.responses import no_content
 from leveret.http.views import jsonable, user_json
+from leveret.links import identity
 from leveret.links.federation import spec as federation_spec
 from leveret.links.shovel import spec as shovel_spec
 
@@ -82,7 +83,7 @@ async def export(call: Call) -> Any:
         out["leveret_permissions"] = [p for p in permissions if p["user"] not in portable]
         out["leveret_topic_permissions"] = [p for p in topic_permissions if p["user"] not in portable]
         out["global_parameters"] = [{"name": "cluster_name", "value": cluster_name_of(call)}]
-    out["parameters"] = [{"vhost": vh.name, "component": c, "name": n, "value": v}
+    out["parameters"] = [{"vhost": vh.name, "component": c, "name": n, "value": identity.without_owner(c, v)}
                          for vh in vhosts for (c, n), v in vh.parameters.items()]
     # RabbitMQ exports vhost limits as this parameter (checked with 3.10.8).
     out["parameters"] += [{"vhost": vh.name, "component": "vhost-limits", "name": "limits", "value": dict(lim)}
@@ -298,10 +299,10 @@ async def apply_plan(call: Call, plan: Plan) -> None:
     broker = call.broker
     for name, description, tags in plan.vhosts:
         existed = name in broker.vhosts
-        vh = metadata.add_vhost(call.node, name)
+        vh = call.broker.coordinator.add_vhost(name)
         vh.description, vh.tags = description, tags
         if not existed:
-            await metadata.save_vhost(call.node, name)
+            await call.broker.coordinator.save_vhost(name)
     changed: dict[str, User] = {u.name: u for u in plan.users}
     for user in plan.users:
         broker.put_user(user)
@@ -316,10 +317,10 @@ async def apply_plan(call: Call, plan: Plan) -> None:
     for user in changed.values():
         await save_user(call, user)
     for policy in plan.policies:
-        broker.vhosts[policy.vhost].set_policy(policy)
+        await broker.coordinator.set_policy(policy)
     for vhost, component, _name, value in plan.parameters:
         if component == "vhost-limits":  # RabbitMQ's form of vhost limits (core/engine/limits.py)
-            await metadata.save_vhost_limits(call.node, vhost, value)
+            await call.broker.coordinator.set_vhost_limits(vhost, value)
     for vhost, name, type_, durable, auto_delete, internal, args in plan.exchanges:
         await declare.declare_exchange(broker, broker.vhosts[vhost], name, type_, durable, auto_delete, internal,
                                        args)

@@ -373,26 +373,23 @@ class NodeCollector:
                 "leveret_group_commit_cancelled_appends_total",
                 "Appends never written because their message was settled before the commit started",
                 value=committer.cancelled)
-        cluster = node.cluster
-        if cluster is not None:
+        peers = node.peers
+        if peers is not None:
             inflight = GaugeMetricFamily("leveret_forwarding_inflight_bytes",
                                          "Bytes forwarded to a peer's queues and not yet answered", labels=["peer"])
             congested = GaugeMetricFamily("leveret_forwarding_congested",
                                           "1 while forwarding to this peer holds publishers back", labels=["peer"])
-            for peer, link in cluster.peers.links.items():
+            for peer, link in peers.links.items():
                 inflight.add_metric([peer], link.inflight_bytes)
                 congested.add_metric([peer], 1 if link.congested else 0)
             yield inflight
             yield congested
             yield GaugeMetricFamily("leveret_lease_age_seconds",
                                     "Seconds since this node's etcd lease was last refreshed",
-                                    value=time.monotonic() - cluster.lease.granted_at if cluster.lease_id else 0)
+                                    value=time.monotonic() - node.lease.granted_at if node.lease is not None else 0)
             owned = GaugeMetricFamily("leveret_owned_queues", "Queues each node owns, as this node sees the cluster",
                                       labels=["node"])
-            per_node: dict[str, int] = dict.fromkeys(cluster.mirror.nodes, 0)
-            for owner, _epoch in cluster.mirror.owners.values():
-                per_node[owner] = per_node.get(owner, 0) + 1
-            for owner, count in sorted(per_node.items()):
+            for owner, count in sorted(node.broker.coordinator.owner_counts().items()):
                 owned.add_metric([owner], count)
             yield owned
         federation = node.federation

@@ -24,7 +24,7 @@ from aiohttp import web
 from core.engine.access import Grants
 from core.engine.broker import User
 from core.engine.vhost import VirtualHost
-from core.model.errors import AccessRefused, BrokerError, NotFound
+from core.model.errors import AccessRefused, BrokerError, NotFound, ResourceLocked
 from leveret.http import (
     api_admin,
     api_backup,
@@ -111,6 +111,26 @@ class Call:
         return data
 
 
+# Methods that change state. A browser sends these cross-origin without asking first (no CORS
+# preflight) only with a form's content types (text/plain, urlencoded, multipart): refusing every
+# content type but JSON is what keeps another site's page from driving the API with the console
+# user's remembered credentials (CSRF).
+_CHANGING = frozenset({"POST", "PUT", "PATCH", "DELETE"})
+
+
+def _json_only(request: web.Request) -> None:
+    """415 for a state-changing request with a body (or a declared type) that is not application/json."""
+    if request.method not in _CHANGING:
+        return
+    declared = request.headers.get("Content-Type")
+    if declared is None and not request.body_exists:
+        return  # `curl -X DELETE`: nothing to decode, nothing a form could have sent
+    if request.content_type != "application/json":
+        raise HttpError(415, "unsupported_media_type",
+                        f"a {request.method} request's body must be JSON sent as Content-Type: application/json "
+                        f"(got {declared or 'none'})")
+
+
 class ManagementAPI:
     def __init__(self, node: NodeView) -> None:
         self.node = node
@@ -182,6 +202,7 @@ class ManagementAPI:
             if method not in route.methods:
                 raise HttpError(405, "Method Not Allowed", f"{request.method} is not allowed here")
             handler, access = route.methods[method]
+            _json_only(request)
             user = self._authenticate(request)
             if access == "administrator" and "administrator" not in user.tags:
                 raise not_authorised("Not administrator user")
@@ -196,6 +217,8 @@ class ManagementAPI:
             return self._error(request, not_found(exc.text))
         except AccessRefused as exc:
             return self._error(request, HttpError(403, "access_refused", exc.text))
+        except ResourceLocked as exc:  # another connection's exclusive queue: RabbitMQ's AMQP text, as 400
+            return self._error(request, bad_request(f"405 {exc.reply_text}"))
         except BrokerError as exc:
             return self._error(request, bad_request(exc.text))
         except web.HTTPException:

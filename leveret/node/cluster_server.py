@@ -13,7 +13,7 @@ import grpc
 
 from core.cluster import internal_pb2_grpc
 from core.cluster.auth import PeerAuth
-from core.cluster.forwarding import NodeService
+from core.cluster.service import NodeService
 from leveret.node.grpc_server import MAX_MESSAGE, bind_and_start
 
 
@@ -26,11 +26,13 @@ class ClusterServer:
 
     async def start(self, host: str, port: int) -> None:
         server = grpc.aio.server(
+            # Every call proves membership before its method runs (core/cluster/auth.py).
+            interceptors=[self.auth.server_interceptor()],
             options=[
                 ("grpc.max_receive_message_length", MAX_MESSAGE),
                 ("grpc.max_send_message_length", MAX_MESSAGE),
                 ("grpc.so_reuseport", 0),
-                # Peers ping their standing streams every 5 s (core/cluster/forwarding.py);
+                # Peers ping their standing streams every 5 s (core/cluster/link.py GRPC_OPTIONS);
                 # the default policy answers such pings with GOAWAY "too_many_pings".
                 ("grpc.keepalive_permit_without_calls", 1),
                 ("grpc.http2.min_ping_interval_without_data_ms", 4000),

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import stat
 import tomllib
 from dataclasses import dataclass, fields
 from pathlib import Path
@@ -57,12 +58,18 @@ class NodeConfig:
     cluster_tls_cert: str = ""
     cluster_tls_key: str = ""
     cluster_tls_ca: str = ""
+    cluster_tls_peers: str = ""
     etcd_cacert: str = ""
     etcd_cert: str = ""
     etcd_key: str = ""
     etcd_user: str = ""
     etcd_password: str = ""
     prometheus_port: int = 15692
+    # -- MQTT (docs/MQTT.md)
+    mqtt_port: int = 1883
+    mqtt_tls_port: int = -1
+    mqtt_ws_port: int = 15675
+    mqtt_vhost: str = "/"
 
     @property
     def resolved_node_id(self) -> str:
@@ -74,6 +81,13 @@ class NodeConfig:
         if self.amqps_port >= 0:
             return self.amqps_port if self.tls_cert else 0
         return 5671 if self.tls_cert else 0
+
+    @property
+    def resolved_mqtt_tls_port(self) -> int:
+        """The MQTT-over-TLS port: 8883 by default once a certificate is configured, 0 (none) otherwise."""
+        if self.mqtt_tls_port >= 0:
+            return self.mqtt_tls_port if self.tls_cert else 0
+        return 8883 if self.tls_cert else 0
 
 
 HELP = {
@@ -118,6 +132,10 @@ HELP = {
     "when binding to all addresses)",
     "retention_interval": "run the retention job (docs/RETENTION.md) every this many seconds in a subprocess, "
     "one run at a time (0: never)",
+    "mqtt_port": "MQTT 3.1.1/5.0 port (docs/MQTT.md); 0 disables",
+    "mqtt_tls_port": "MQTT over TLS port (the --tls-cert of AMQPS); -1: 8883 when --tls-cert is set, 0: none",
+    "mqtt_ws_port": "MQTT over WebSocket port (path /ws, as RabbitMQ's Web-MQTT); 0 disables",
+    "mqtt_vhost": "vhost of MQTT connections whose user name does not name one ('vhost:user')",
     "amqps_port": "AMQP over TLS port; -1: 5671 when --tls-cert is set, 0: no TLS listener",
     "tls_cert": "PEM certificate chain of this node (AMQPS, and gRPC with --grpc-tls); SIGHUP reloads it",
     "tls_key": "PEM private key of --tls-cert",
@@ -141,6 +159,8 @@ HELP = {
     "cluster_tls_cert": "PEM certificate of this node for mutual TLS between nodes",
     "cluster_tls_key": "PEM private key of --cluster-tls-cert",
     "cluster_tls_ca": "PEM CA that signed every node's cluster certificate",
+    "cluster_tls_peers": "PEM file of the other nodes' cluster certificates, when nodes do not share one "
+                         "(only a node's certificate may call the cluster port, not any of the CA's)",
     "etcd_cacert": "PEM CA of etcd's server certificate: dial etcd over TLS",
     "etcd_cert": "PEM client certificate for etcd (with --etcd-key)",
     "etcd_key": "PEM private key of --etcd-cert",
@@ -204,6 +224,18 @@ def load(config_file: str | None, overrides: dict[str, Any], environ: dict[str, 
     return cfg
 
 
+def _check_secret_mode(path: str) -> None:
+    """Refuse a cluster secret others on the host may read, as RabbitMQ refuses such an Erlang cookie
+    (a file that cannot be read is reported when the node reads it)."""
+    try:
+        mode = stat.S_IMODE(os.stat(path).st_mode)
+    except OSError:
+        return
+    if mode & 0o077:
+        raise ConfigError(f"the cluster secret file {path} is readable or writable by group or others "
+                          f"(mode {mode:04o}): anyone on this host could join the cluster; `chmod 600 {path}`")
+
+
 def validate(cfg: NodeConfig) -> None:
     from leveret.node.resources import parse_disk_free_limit, total_memory
 
@@ -224,6 +256,8 @@ def validate(cfg: NodeConfig) -> None:
         )
     if cfg.cluster_tls_cert and not (cfg.cluster_tls_key and cfg.cluster_tls_ca):
         raise ConfigError("--cluster-tls-cert needs --cluster-tls-key and --cluster-tls-ca (the cluster's CA)")
+    if cfg.cluster_secret_file:
+        _check_secret_mode(cfg.cluster_secret_file)
     if cfg.tls_verify not in ("none", "peer"):
         raise ConfigError(f"--tls-verify must be none or peer, got {cfg.tls_verify!r}")
     if cfg.tls_cert and not cfg.tls_key:
@@ -232,6 +266,8 @@ def validate(cfg: NodeConfig) -> None:
         raise ConfigError("--tls-verify peer needs --tls-ca: the CA that client certificates are checked against")
     if cfg.amqps_port > 0 and not cfg.tls_cert:
         raise ConfigError("--amqps-port needs --tls-cert and --tls-key")
+    if cfg.mqtt_tls_port > 0 and not cfg.tls_cert:
+        raise ConfigError("--mqtt-tls-port needs --tls-cert and --tls-key")
     if cfg.grpc_tls and not cfg.tls_cert:
         raise ConfigError("--grpc-tls needs --tls-cert and --tls-key")
     if cfg.http_tls and not cfg.tls_cert:

@@ -8,6 +8,7 @@ from collections.abc import Callable
 import grpc
 
 from core.engine.broker import Broker
+from core.grpc_api.auth_first import AuthFirst
 from core.grpc_api.servicer import BrokerServicer
 from core.grpc_api.streams_servicer import StreamsServicer
 from leveret_client.proto import leveret_pb2_grpc as pb_grpc
@@ -16,6 +17,12 @@ log = logging.getLogger("leveret.grpc")
 
 # Deliveries are batched per response; allow large messages both ways.
 MAX_MESSAGE = 256 * 1024 * 1024
+# Streams one client connection may hold open at once (HTTP/2 SETTINGS_MAX_CONCURRENT_STREAMS): each
+# open call holds buffers, so a client cannot open thousands on one socket. RabbitMQ's default
+# channel_max is 2047; a gRPC client needs one stream per subscription and per call in flight. grpc's
+# client does not hold a burst back at this limit: calls past it on one channel fail UNAVAILABLE
+# (REFUSED_STREAM); 1024 leaves room for the concurrency clients use (measured: 1000 in flight pass).
+MAX_CONCURRENT_STREAMS = 1024
 
 
 class GRPCServer:
@@ -31,7 +38,10 @@ class GRPCServer:
     async def start(self, host: str, port: int, credentials: grpc.ServerCredentials | None = None) -> None:
         """Listen (over TLS with ``credentials``); the cluster's internal service is never served here."""
         server = grpc.aio.server(
+            # Credentials are checked before a request message is read (core/grpc_api/auth_first.py).
+            interceptors=[AuthFirst(self.servicer, self.max_message)],
             options=[
+                ("grpc.max_concurrent_streams", MAX_CONCURRENT_STREAMS),
                 ("grpc.max_receive_message_length", self.max_message),
                 ("grpc.max_send_message_length", self.max_message),
                 ("grpc.so_reuseport", 0),

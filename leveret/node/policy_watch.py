@@ -1,8 +1,10 @@
-"""Policies written to the store by someone else, applied to this node's live queues within a second.
+"""Policies written straight to the store with no node involved, applied to this node's live queues.
 
-Who writes policies without going through this node's vhosts: another node of
-the cluster (they share Postgres), and ``leveret retention policy set`` (which
-writes the store directly). This task reads the store's policies every
+A policy set through any node goes through the coordinator, which applies it
+on every node of a cluster from the etcd watch (coordination/metadata.py).
+What no coordinator sees are the commands that write the store with no node
+running or asked: ``leveret policies`` and ``leveret retention policy set``.
+For those (and only those) this task reads the store's policies every
 ``poll`` seconds and applies what changed *between two reads of the store*,
 not the difference between the store and memory: a policy this node set a
 moment ago and whose write is still in the group committer's queue is then
@@ -13,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from collections.abc import Callable
 
 from core.engine.broker import Broker
 from core.model.policy import Policy
@@ -33,9 +36,13 @@ class PolicyWatch:
         self.applied = 0  # changes taken from the store (for tests and logs)
         self._seen: dict[Key, Policy] = {}
         self._task: asyncio.Task[None] | None = None
+        # Told of each change seen in the store (None: removed): in a cluster the coordinator brings
+        # etcd's copy in line, so a node that restarts does not bring back a policy cleared here.
+        self.on_store_change: list[Callable[[Key, Policy | None], None]] = []
+        self._stored: dict[Key, Policy] = {}  # the last read of the store, whatever was applied of it
 
     async def start(self) -> None:
-        self._seen = await self._read()  # what start-up restored already
+        self._seen = self._stored = await self._read()  # what start-up restored already
         self._task = asyncio.create_task(self._run())
 
     async def stop(self) -> None:
@@ -50,8 +57,10 @@ class PolicyWatch:
                 self.apply_changes(current)
 
     def apply_changes(self, current: dict[Key, Policy]) -> None:
-        seen = self._seen
-        for key, policy in current.items():
+        seen, stored = self._seen, current
+        for key, policy in stored.items():
+            if self._stored.get(key) != policy:
+                self._tell(key, policy)
             if seen.get(key) == policy:
                 continue
             vh = self.broker.vhosts.get(policy.vhost)
@@ -60,9 +69,15 @@ class PolicyWatch:
                 continue
             vh.set_policy(policy, restoring=True)
             self.applied += 1
+        for key in self._stored.keys() - stored.keys():
+            self._tell(key, None)
         for key in seen.keys() - current.keys():
             vhost, operator, name = key
             vh = self.broker.vhosts.get(vhost)
             if vh is not None and vh.clear_policy(name, operator, restoring=True):
                 self.applied += 1
-        self._seen = current
+        self._seen, self._stored = current, stored
+
+    def _tell(self, key: Key, policy: Policy | None) -> None:
+        for listener in list(self.on_store_change):
+            listener(key, policy)

@@ -22,6 +22,7 @@ from core.engine import paging
 from core.engine.alarms import DISK, MEMORY
 from core.engine.broker import Broker
 from core.engine.stream import StreamQueue
+from core.model.tasks import spawn
 from core.ports.store import MessageStore, StoreError
 from leveret import __version__
 from leveret.http.metrics import MetricsServer
@@ -33,13 +34,18 @@ from leveret.node.grpc_server import GRPCServer
 from leveret.node.policy_watch import PolicyWatch
 from leveret.node.retention_schedule import RetentionService
 from leveret.node.tls import ServerTLS, TLSFiles
+from mqtt_frontend.connection import MqttSettings
+from mqtt_frontend.server import MQTTServer
+from mqtt_frontend.websocket import WebSocketListener
 
 if TYPE_CHECKING:
     import grpc
 
-    from coordination.etcd import EtcdCluster
+    from coordination.etcd import EtcdCoordinator
     from core.cluster.auth import PeerAuth
+    from core.cluster.link import Peers
     from core.engine.broker import User
+    from core.engine.ownership import Lease
     from leveret.http.server import ManagementAPI
     from leveret.node.cluster_server import ClusterServer
 
@@ -58,8 +64,11 @@ class Node:
             node_id=config.resolved_node_id, default_user=(config.default_user, config.default_pass),
             coordinator=self.local,
         )
+        self.local.attach(self.broker)
+        self.local.region = config.region
         self.store: MessageStore | None = None
-        self.retention: RetentionService | None = None  # retention watch and schedule (leveret/node/retention_schedule.py)
+        # The retention watch and schedule (leveret/node/retention_schedule.py).
+        self.retention: RetentionService | None = None
         self.amqp = AMQPServer(
             self.broker,
             ServerSettings(
@@ -71,8 +80,11 @@ class Node:
             ),
         )
         self.grpc = GRPCServer(self.broker, config.max_message_size)
+        self.mqtt = MQTTServer(self.broker, MqttSettings(vhost=config.mqtt_vhost,
+                                                         max_packet_size=config.max_message_size))
+        self.mqtt_ws: WebSocketListener | None = None
         self.grpc.servicer.region = config.region
-        self.cluster: EtcdCluster | None = None
+        self.etcd: EtcdCoordinator | None = None
         self.cluster_server: ClusterServer | None = None
         # AMQPS (and gRPC with --grpc-tls): one context, reloaded on SIGHUP for new connections.
         self.tls: ServerTLS | None = None
@@ -92,27 +104,18 @@ class Node:
         self.shovels: ShovelManager | None = None
         self.federation: FederationManager | None = None  # leveret/links/federation/, fed by the shovels' parameters
         self.started_at = time.monotonic()
+        self._background: set[asyncio.Task[object]] = set()  # fire-and-forget work, held until it ends
         StreamQueue.memory_limit = config.stream_memory_bytes
         paging.configure(config.queue_memory_bytes, config.queue_memory_node_bytes,
                          str(Path(config.data_dir) / "paging"))
 
     def _save_rehashed(self, user: User) -> None:
         """A login replaced an old password record (core/engine/passwords.py): keep the new one."""
-        asyncio.get_running_loop().create_task(self._persist_user(user))
+        spawn(self._persist_user(user), self._background)
 
     async def _persist_user(self, user: User) -> None:
-        from core.ports.store import UserRecord
-
         try:
-            if self.store is not None:
-                await self.store.save_user(UserRecord(user.name, user.salt, user.password_hash, list(user.tags),
-                                                      sorted(user.vhosts), user.loopback_only,
-                                                      user.grants_record()))
-            if self.cluster is not None:
-                from coordination.keys import user_value
-
-                await asyncio.wait_for(self.cluster.client.put(self.cluster.keys.user(user.name), user_value(user)),
-                                       10)
+            await self.broker.coordinator.save_user(user)  # the store, and in a cluster every node
         except Exception as exc:  # noqa: BLE001 - the old record still verifies; retried at the next login
             log.warning("could not save a re-hashed password record", extra={"user": user.name, "error": str(exc)})
             return
@@ -147,13 +150,25 @@ class Node:
         try:
             secret = Path(cfg.cluster_secret_file).read_bytes().strip() if cfg.cluster_secret_file else None
             tls = (ClusterTLS(Path(cfg.cluster_tls_cert).read_bytes(), Path(cfg.cluster_tls_key).read_bytes(),
-                              Path(cfg.cluster_tls_ca).read_bytes()) if cfg.cluster_tls_cert else None)
+                              Path(cfg.cluster_tls_ca).read_bytes(),
+                              Path(cfg.cluster_tls_peers).read_bytes() if cfg.cluster_tls_peers else b"")
+                   if cfg.cluster_tls_cert else None)
         except OSError as exc:
             raise ClusterStartError(f"cannot read the cluster credentials: {exc}") from None
         if secret is not None and len(secret) < 16:
             raise ClusterStartError(f"the cluster secret in {cfg.cluster_secret_file} is shorter than 16 bytes: "
                                     "too easy to guess (e.g. `openssl rand -hex 32 > FILE`)")
         return PeerAuth(secret=secret, tls=tls)
+
+    @property
+    def peers(self) -> Peers | None:
+        """The links to the other nodes (forwarding metrics); None on a single node."""
+        return self.etcd.peers if self.etcd is not None else None
+
+    @property
+    def lease(self) -> Lease | None:
+        """This node's etcd lease once granted (its age is a metric); None on a single node."""
+        return self.etcd.lease if self.etcd is not None and self.etcd.lease_id else None
 
     def _make_store(self) -> MessageStore:
         return make_store(self.config)
@@ -162,6 +177,7 @@ class Node:
         store = self._make_store()
         await store.open()
         self.store = store
+        self.local.attach(self.broker, store)
         committer = GroupCommitter(store, on_fenced=self._fenced)
         self.broker.committer = committer
         durability = Durability(store, committer)
@@ -179,7 +195,9 @@ class Node:
             messages = await self.local.take_over_stored_queues(durability, queues, self.broker.vhosts.values())
             log.info("store opened", extra={"store": store.description, "durable_queues": len(queues),
                                             "messages_restored": messages})
-        # Policies other nodes and `leveret retention policy` write to the store (leveret/node/policy_watch.py).
+        # Policies `leveret policies` and `leveret retention policy` write to the store with no node
+        # involved (leveret/node/policy_watch.py); those set through a node reach the others through
+        # the coordinator.
         self.policy_watch = PolicyWatch(self.broker, store)
         await self.policy_watch.start()
         from leveret.node.retention_schedule import start_retention
@@ -192,8 +210,8 @@ class Node:
             host = "127.0.0.1"
         return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
 
-    def _make_cluster(self) -> EtcdCluster:
-        from coordination.etcd import ClusterSettings, EtcdCluster
+    def _make_etcd(self) -> EtcdCoordinator:
+        from coordination.etcd import ClusterSettings, EtcdCoordinator
         from coordination.etcd_client import EtcdTLS
         from core.ports.coordinator import ClusterStartError
         from leveret.node.cluster_server import ClusterServer
@@ -214,16 +232,16 @@ class Node:
             auth=auth, etcd_tls=etcd_tls,
             etcd_user=cfg.etcd_user, etcd_password=cfg.etcd_password,
         )
-        cluster = EtcdCluster(self.broker, self.store, self.broker.committer, settings,
+        cluster = EtcdCoordinator(self.broker, self.store, self.broker.committer, settings,
                               on_event=self.grpc.servicer.cluster_event)
-        self.grpc.servicer.members = cluster.members
+        self.grpc.servicer.members = lambda: [m.as_dict() for m in cluster.members()]
         self.cluster_server = ClusterServer(cluster.service, auth)
         log.info("cluster peers authenticate with " + auth.mode)
         return cluster
 
     def _fenced(self, queues: list[tuple[str, str]]) -> None:
-        if self.cluster is not None:
-            self.cluster.fenced(queues)
+        if self.etcd is not None:
+            self.etcd.fenced(queues)
             return
         for vhost, name in queues:
             vh = self.broker.vhosts.get(vhost)
@@ -253,16 +271,19 @@ class Node:
         if self.config.etcd:
             # Peers reach us over gRPC as soon as we register, and clients
             # must not be served before the cluster's metadata is mirrored.
-            self.cluster = self._make_cluster()
+            self.etcd = self._make_etcd()
             assert self.cluster_server is not None
             await self.cluster_server.start(self.config.bind, self.config.cluster_port)
             await self.grpc.start(self.config.bind, self.config.grpc_port, self._grpc_credentials())
-            await self.cluster.start()
-            self.broker.cluster = self.cluster
+            await self.etcd.start()
+            self.broker.coordinator = self.etcd
+            if self.policy_watch is not None:
+                self.policy_watch.on_store_change.append(self.etcd.policy_stored)
             await self._start_amqp()
         else:
             await self._start_amqp()
             await self.grpc.start(self.config.bind, self.config.grpc_port, self._grpc_credentials())
+        await self._start_mqtt()
         self._monitor = asyncio.create_task(self._watch_memory())
         await self._start_shovels()
         await self._start_management()
@@ -282,16 +303,13 @@ class Node:
 
     async def _start_shovels(self) -> None:
         """Runtime parameters back from the store; the shovels and federation links this node holds started."""
-        from leveret.links.shovel.hold import EtcdHolder, Holder, LocalHolder
-
         assert self.store is not None
         node = self.broker.node_id
-        holder: Holder = EtcdHolder(self.cluster) if self.cluster is not None else LocalHolder(node)
-        self.shovels = ShovelManager(self.broker, self.store, holder, node, self.amqp.port)
-        links: Holder = EtcdHolder(self.cluster, "federation") if self.cluster is not None else LocalHolder(node)
+        coordinator = self.broker.coordinator
+        self.shovels = ShovelManager(self.broker, coordinator, node, self.amqp.port)
         # RabbitMQ's default cluster name is its first node's name; a cluster here has its own name.
-        self.federation = FederationManager(self.broker, links, node, self.amqp.port,
-                                            self.config.cluster if self.cluster is not None else node,
+        self.federation = FederationManager(self.broker, coordinator, node, self.amqp.port,
+                                            self.config.cluster if self.etcd is not None else node,
                                             self._advertise_cluster_name)
         self.shovels.listeners.append(self.federation)
         await self.shovels.start()
@@ -305,6 +323,23 @@ class Node:
         await self.amqp.start(self.config.bind, self.config.amqp_port)
         if self.tls is not None and self.config.resolved_amqps_port:
             await self.amqp.start_tls(self.config.bind, self.config.resolved_amqps_port, self.tls.context)
+
+    async def _start_mqtt(self) -> None:
+        """MQTT, MQTT over TLS (the AMQPS certificate) and over WebSocket; a port of 0 is no listener."""
+        cfg = self.config
+        port = cfg.mqtt_port
+        try:
+            if port:
+                await self.mqtt.start(cfg.bind, port)
+            port = cfg.resolved_mqtt_tls_port
+            if self.tls is not None and port:
+                await self.mqtt.start_tls(cfg.bind, port, self.tls.context)
+            port = cfg.mqtt_ws_port
+            if port:
+                self.mqtt_ws = WebSocketListener(self.mqtt)
+                await self.mqtt_ws.start(cfg.bind, port, self._http_ssl())
+        except OSError as exc:  # say which port (a RabbitMQ with rabbitmq_mqtt may hold 1883): --mqtt-port 0
+            raise OSError(exc.errno, f"MQTT port {port}: {exc.strerror or exc}") from exc
 
     def _http_ssl(self) -> ssl.SSLContext | None:
         return self.http_tls.context if self.http_tls is not None else None
@@ -395,12 +430,15 @@ class Node:
             await self.federation.stop()
         if self.shovels is not None:
             await self.shovels.stop()
-        if self.cluster is not None:
+        if self.etcd is not None:
             # Hand our queues to the other nodes first, while we still serve them.
-            await self.cluster.stop(handover=True)
+            await self.etcd.stop(handover=True)
         await self.grpc.stop()
         if self.cluster_server is not None:
             await self.cluster_server.stop()
+        if self.mqtt_ws is not None:
+            await self.mqtt_ws.stop()
+        await self.mqtt.stop()
         await self.amqp.stop()
         if self.metrics is not None:
             await self.metrics.stop()

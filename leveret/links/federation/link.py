@@ -43,6 +43,7 @@ from aiormq.abc import DeliveredMessage
 
 from core.engine import publish
 from core.model.message import Message
+from leveret.links import identity
 from leveret.links.federation.spec import LinkSpec
 from leveret.links.shovel.session import CLOSE_TIMEOUT, Acks, Supervised, close, connect
 from leveret.links.shovel.spec import redact
@@ -168,6 +169,11 @@ class FederationLink(Supervised):
                 await self._session(self.uri)
             except asyncio.CancelledError:
                 raise
+            except PermissionError as exc:  # the upstream's owner may not (or no longer) use the vhost
+                log.warning("federation link stopped: its upstream's owner may not use the vhost; retried", extra={
+                    "vhost": spec.vhost, "exchange": spec.exchange, "upstream": spec.upstream.name,
+                    "owner": spec.upstream.owner, "error": str(exc)})
+                self._set("error", str(exc))
             except Exception as exc:  # noqa: BLE001  any failure of either side: report, wait, reconnect
                 reason = f"{type(exc).__name__}: {exc}"
                 log.warning("federation link failed; reconnecting", extra={
@@ -177,10 +183,31 @@ class FederationLink(Supervised):
             await asyncio.sleep(spec.upstream.reconnect_delay)
 
     async def _session(self, uri: str) -> None:
-        conn = await connect(uri, self.local_port)
+        owner = self.spec.upstream.owner
+        # Checked at every (re)connect; a URI without a host acts as the upstream's owner (links/identity.py).
+        conn = await connect(uri, self.local_port, identity.credentials(self.broker, owner, uri))
+        revoked: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+
+        def owner_changed(name: str) -> None:
+            reason = identity.refusal(self.broker, name, uri) if name == owner else None
+            if reason is not None and not revoked.done():
+                revoked.set_exception(PermissionError(reason))
+
+        self.broker.on_user_changed.append(owner_changed)
+        link = asyncio.ensure_future(self._link(conn, uri))
         try:
-            await self._link(conn, uri)
+            await asyncio.wait((link, revoked), return_when=asyncio.FIRST_COMPLETED)
+            if revoked.done():
+                revoked.result()  # raises: the owner lost the vhost or was deleted
+            link.result()
         finally:
+            self.broker.on_user_changed.remove(owner_changed)
+            if not link.done():
+                link.cancel()
+                with contextlib.suppress(BaseException):
+                    await link
+            if not revoked.done():
+                revoked.cancel()
             await close(conn)
 
     async def _channel(self, conn: aiormq.abc.AbstractConnection) -> aiormq.abc.AbstractChannel:
@@ -340,7 +367,8 @@ class FederationLink(Supervised):
         queue itself stays with what it holds (``expires`` removes it), since
         deleting it on a passing state would lose messages.
         """
-        conn = await connect(self.uri, self.local_port)
+        conn = await connect(self.uri, self.local_port,
+                             identity.credentials(self.broker, self.spec.upstream.owner, self.uri))
         try:
             ch = await self._channel(conn)
             for suffix in (" A", " B"):

@@ -1,15 +1,16 @@
 """The node's federation links: which the policies ask for, which run here, their status; the cluster name.
 
-Upstreams and upstream sets are runtime parameters, stored and polled by the
-shovel manager (leveret/links/shovel/manager.py), which hands this manager those of
-its components (``ParameterListener``). Which exchanges are federated comes
-from the policies (``federation-upstream``, ``federation-upstream-set``), which
-every node already applies live; so every ``poll`` seconds, and at once when
-a parameter is set or cleared through this node, the manager works out the
-links wanted (one per federated exchange and upstream) and reconciles them
-with those it runs. Each link runs on one node of the cluster, held as a
-shovel is (leveret/links/shovel/hold.py, under ``federation/``), and moves when that
-node dies.
+Upstreams and upstream sets are runtime parameters, which the coordinator
+delivers to the shovel manager (leveret/links/shovel/manager.py), which hands
+this manager those of its components (``ParameterListener``). Which exchanges
+are federated comes from the policies (``federation-upstream``,
+``federation-upstream-set``) and the exchanges this node has, which no event
+announces; so every ``poll`` seconds (from this node's own tables: no store is
+read), at once when a parameter changes, and when a hold may have moved, the
+manager works out the links wanted (one per federated exchange and upstream)
+and reconciles them with those it runs. Each link runs on one node of the
+cluster, held through the coordinator's named hold (kind ``federation``), and
+moves when that node dies.
 
 The cluster name (RabbitMQ's ``cluster_name``, which loop prevention compares)
 is a global parameter: settable through ``PUT /api/cluster-name``, stored, so
@@ -29,15 +30,16 @@ from core.model.tasks import spawn, stop_task
 from leveret.links.federation.link import FederationLink, local_connection
 from leveret.links.federation.spec import COMPONENTS, UPSTREAM, UPSTREAM_SET, FederationError, LinkSpec, upstreams_of
 from leveret.links.federation.spec import validate as validate_parameter
-from leveret.links.shovel.hold import Holder
 from leveret.links.shovel.spec import redact
 
 if TYPE_CHECKING:
     from core.engine.broker import Broker
+    from core.ports.coordinator import Metadata
 
 log = logging.getLogger("leveret.federation")
 
-GLOBAL = "global"  # component of the global parameters (stored under the vhost "")
+GLOBAL = "global"  # component of the global parameters (stored under the vhost ""): core.ports.coordinator.GLOBAL
+HOLD = "federation"  # the kind of the coordinator's named hold of a link
 CLUSTER_NAME = "cluster_name"
 LinkKey = tuple[str, str, str]  # (vhost, exchange, upstream)
 UNLINK_TIMEOUT = 10.0
@@ -50,10 +52,10 @@ def _held_name(exchange: str, upstream: str) -> str:
 class FederationManager:
     components = COMPONENTS | {GLOBAL}
 
-    def __init__(self, broker: Broker, holder: Holder, node: str, local_port: int, default_cluster_name: str,
+    def __init__(self, broker: Broker, coordinator: Metadata, node: str, local_port: int, default_cluster_name: str,
                  on_cluster_name: Callable[[str], None] = lambda name: None, poll: float = 1.0) -> None:
         self.broker = broker
-        self.holder = holder
+        self.coordinator = coordinator
         self.node = node
         self.local_port = local_port
         self.default_cluster_name = default_cluster_name
@@ -104,8 +106,13 @@ class FederationManager:
 
     # -- lifecycle -------------------------------------------------------------------
     async def start(self) -> None:
+        self.coordinator.on_holds_changed(HOLD, self._holds_moved)
         await self._reconcile_logged()
         self._task = asyncio.get_running_loop().create_task(self._run(), name="federation manager")
+
+    def _holds_moved(self) -> None:
+        if self._task is not None and not self._task.done():
+            spawn(self._reconcile_logged(), self._unlinking)
 
     async def stop(self) -> None:
         await stop_task(self._task)
@@ -158,12 +165,12 @@ class FederationManager:
                     self._unlink(link)
                 elif spec != link.spec:
                     await self._stop_one(key, release=True)
-                elif not await self.holder.held(key[0], _held_name(key[1], key[2])):
+                elif not await self.coordinator.holding(HOLD, key[0], _held_name(key[1], key[2])):
                     log.warning("federation link no longer held by this node; stopped",
                                 extra={"vhost": key[0], "exchange": key[1], "upstream": key[2]})
                     await self._stop_one(key, release=False)
             for key, spec in self.wanted.items():
-                if key not in self.running and await self.holder.acquire(key[0], _held_name(key[1], key[2])):
+                if key not in self.running and await self.coordinator.hold(HOLD, key[0], _held_name(key[1], key[2])):
                     link = FederationLink(spec, self.broker, self.node, self.local_port, self.cluster_name)
                     self.running[key] = link
                     link.start()
@@ -186,7 +193,7 @@ class FederationManager:
             await link.stop()
         if release:
             try:
-                await self.holder.release(key[0], _held_name(key[1], key[2]))
+                await self.coordinator.release(HOLD, key[0], _held_name(key[1], key[2]))
             except Exception as exc:  # noqa: BLE001  the key is on our lease: it goes with it anyway
                 log.warning("releasing federation link failed", extra={
                     "vhost": key[0], "exchange": key[1], "upstream": key[2], "error": str(exc)})
@@ -203,7 +210,7 @@ class FederationManager:
                 out.append(link.status())
                 continue
             try:
-                node = await self.holder.holder(key[0], _held_name(key[1], key[2]))
+                node = await self.coordinator.holder(HOLD, key[0], _held_name(key[1], key[2]))
             except Exception:  # noqa: BLE001
                 node = None
             out.append({"node": node or "", "exchange": spec.exchange, "upstream_exchange": spec.upstream_exchange,

@@ -25,7 +25,7 @@ COMPONENTS = frozenset({UPSTREAM, UPSTREAM_SET})
 # mirroring ("ha-policy") or that only change round trips ("bind-nowait").
 IGNORED = frozenset({"queue", "consumer-tag", "ha-policy", "bind-nowait"})
 KNOWN = frozenset({"uri", "exchange", "max-hops", "expires", "message-ttl", "prefetch-count", "reconnect-delay",
-                   "ack-mode", "trust-user-id"}) | IGNORED
+                   "ack-mode", "trust-user-id", "user"}) | IGNORED  # user: who set it (links/identity.py)
 
 
 class FederationError(ParameterError):
@@ -46,6 +46,7 @@ class Upstream:
     reconnect_delay: float
     ack_mode: str
     trust_user_id: bool
+    owner: str | None = None  # the user who set the upstream: a URI without a host acts as this user
 
 
 def _uris(value: dict[str, Any]) -> tuple[str, ...]:
@@ -95,6 +96,7 @@ def parse_upstream(name: str, value: Any) -> Upstream:
         expires=_int(value, "expires", None, 1), message_ttl=_int(value, "message-ttl", None, 0),
         prefetch=_int(value, "prefetch-count", 1000, 1) or 1000,
         reconnect_delay=float(delay), ack_mode=ack_mode, trust_user_id=trust,
+        owner=value["user"] if isinstance(value.get("user"), str) and value["user"] else None,
     )
 
 
@@ -105,7 +107,7 @@ def parse_set(value: Any) -> list[dict[str, Any]]:
     for entry in value:
         if not isinstance(entry, dict) or not isinstance(entry.get("upstream"), str) or not entry["upstream"]:
             raise FederationError("each entry of an upstream set must be an object with an \"upstream\" name")
-        unknown = sorted(set(entry) - KNOWN - {"upstream"})
+        unknown = sorted(set(entry) - KNOWN - {"upstream"} | ({"user"} & set(entry)))  # the owner is the upstream's
         if unknown:
             raise FederationError(f"unknown keys in the set's entry for {entry['upstream']!r}: {', '.join(unknown)}")
     return value
@@ -162,8 +164,9 @@ def upstreams_of(definition: dict[str, Any], upstreams: dict[str, Any], sets: di
         if not isinstance(base, dict):
             continue  # an upstream not defined (yet): no link, as in RabbitMQ
         try:
+            # The upstream's own owner stands: a set names upstreams, it does not act for them.
             out.append(parse_upstream(entry["upstream"],
-                                      {**base, **{k: v for k, v in entry.items() if k != "upstream"}}))
+                                      {**base, **{k: v for k, v in entry.items() if k not in ("upstream", "user")}}))
         except FederationError:
             continue
     return out

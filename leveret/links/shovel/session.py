@@ -29,10 +29,10 @@ CLOSE_TIMEOUT = 5.0
 logging.getLogger("aiormq").setLevel(logging.ERROR)
 
 
-async def connect(uri: str, local_port: int) -> aiormq.abc.AbstractConnection:
-    """``uri`` as the parameters give it (``amqp://`` with no host: this node)."""
+async def connect(uri: str, local_port: int, login: tuple[str, str] | None = None) -> aiormq.abc.AbstractConnection:
+    """``uri`` as the parameters give it (``amqp://`` with no host: this node, entered with ``login``)."""
     # A host that drops packets would otherwise keep the session "starting" for minutes.
-    return await asyncio.wait_for(aiormq.connect(client_uri(uri, local_port)), CONNECT_TIMEOUT)
+    return await asyncio.wait_for(aiormq.connect(client_uri(uri, local_port, login)), CONNECT_TIMEOUT)
 
 
 async def close(conn: aiormq.abc.AbstractConnection) -> None:

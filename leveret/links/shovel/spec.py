@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Any
-from urllib.parse import parse_qsl, urlencode, urlsplit, urlunsplit
+from urllib.parse import parse_qsl, quote, urlencode, urlsplit, urlunsplit
 
 COMPONENT = "shovel"
 ACK_MODES = ("on-confirm", "on-publish", "no-ack")
@@ -21,6 +21,7 @@ KNOWN = frozenset({
     "dest-uri", "dest-queue", "dest-exchange", "dest-exchange-key", "dest-protocol", "dest-add-forward-headers",
     "dest-add-timestamp-header", "dest-publish-properties", "dest-queue-args",
     "ack-mode", "reconnect-delay", "add-forward-headers", "delete-after", "prefetch-count",
+    "user",  # who set it (stamped by the management API; leveret/links/identity.py)
 })
 
 
@@ -53,6 +54,7 @@ class ShovelSpec:
     publish_properties: tuple[tuple[str, Any], ...] = ()  # (pamqp attribute, value) set on every message
     src_queue_args: tuple[tuple[str, Any], ...] = ()  # arguments when the shovel declares the source queue
     dest_queue_args: tuple[tuple[str, Any], ...] = ()
+    owner: str | None = None  # the user who set it: a URI without a host acts as this user
 
 
 def _uris(value: dict[str, Any], key: str) -> tuple[str, ...]:
@@ -153,6 +155,7 @@ def parse(vhost: str, name: str, value: Any) -> ShovelSpec:
         publish_properties=_properties(value),
         src_queue_args=tuple(sorted(_table(value, "src-queue-args").items())),
         dest_queue_args=tuple(sorted(_table(value, "dest-queue-args").items())),
+        owner=_opt_str(value, "user") or None,
     )
 
 
@@ -160,13 +163,16 @@ def parse(vhost: str, name: str, value: Any) -> ShovelSpec:
 _TLS_QUERY = {"cacertfile": "cafile", "certfile": "certfile", "keyfile": "keyfile"}
 
 
-def client_uri(uri: str, local_port: int) -> str:
-    """The URI as aiormq takes it; ``amqp://`` with no host is this node (RabbitMQ: the local broker)."""
+def client_uri(uri: str, local_port: int, login: tuple[str, str] | None = None) -> str:
+    """The URI as aiormq takes it; ``amqp://`` with no host is this node (RabbitMQ: the local broker),
+    entered with ``login`` (the parameter owner's name and the node's link token: identity.py), never
+    with credentials of the URI's or a default user's."""
     parts = urlsplit(uri)
     netloc = parts.netloc
     if not parts.hostname:
-        userinfo = netloc.rpartition("@")[0] or "guest:guest"
-        netloc = f"{userinfo}@127.0.0.1:{local_port}"
+        if login is None:
+            raise ValueError(f"{redact(uri)} is this node: it needs the login of the parameter's owner")
+        netloc = f"{quote(login[0], safe='')}:{quote(login[1], safe='')}@127.0.0.1:{local_port}"
     query = []
     for k, v in parse_qsl(parts.query):
         if k in _TLS_QUERY:

@@ -17,14 +17,18 @@ import contextlib
 import logging
 import time
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import aiormq
 from aiormq.abc import DeliveredMessage
 from pamqp import commands as spec_commands
 
+from leveret.links import identity
 from leveret.links.shovel.session import CLOSE_TIMEOUT, Acks, Supervised, close, connect
 from leveret.links.shovel.spec import ShovelSpec, redact
+
+if TYPE_CHECKING:
+    from core.engine.broker import Broker
 
 log = logging.getLogger("leveret.shovel")
 
@@ -37,8 +41,9 @@ class ShovelRunner(Supervised):
     """Runs one shovel until stopped or finished, reconnecting after ``reconnect-delay`` on any failure."""
 
     def __init__(self, spec: ShovelSpec, node: str, local_port: int,
-                 on_finished: Callable[[ShovelSpec], None]) -> None:
+                 on_finished: Callable[[ShovelSpec], None], broker: Broker) -> None:
         super().__init__()
+        self.broker = broker  # the owner's rights, for a URI without a host (leveret/links/identity.py)
         self.task_name = f"shovel {spec.name}"
         self.spec = spec
         self.node = node
@@ -67,6 +72,10 @@ class ShovelRunner(Supervised):
                 return
             except asyncio.CancelledError:
                 raise
+            except PermissionError as exc:  # the owner may not (or no longer) use a vhost: said as it is
+                log.warning("shovel stopped: its owner may not use the vhost; retried", extra={
+                    "vhost": spec.vhost, "shovel": spec.name, "owner": spec.owner, "error": str(exc)})
+                self._set("terminated", str(exc))
             except Exception as exc:  # noqa: BLE001  any failure of either end: report, wait, reconnect
                 reason = f"{type(exc).__name__}: {exc}"
                 log.warning("shovel terminated; reconnecting", extra={
@@ -86,9 +95,13 @@ class ShovelRunner(Supervised):
         return int(ok.message_count or 0)
 
     async def _session(self, src_uri: str, dest_uri: str) -> None:
-        src = await connect(src_uri, self.local_port)
+        owner = self.spec.owner
+        # Checked at every (re)connect: the owner's rights now, not when it set the parameter.
+        src_login = identity.credentials(self.broker, owner, src_uri)
+        dest_login = identity.credentials(self.broker, owner, dest_uri)
+        src = await connect(src_uri, self.local_port, src_login)
         try:
-            dest = await connect(dest_uri, self.local_port)
+            dest = await connect(dest_uri, self.local_port, dest_login)
             try:
                 await self._shovel(src, dest, src_uri, dest_uri)
             finally:
@@ -172,6 +185,25 @@ class ShovelRunner(Supervised):
                 done.set_exception(ConnectionError("the source cancelled the consumer (queue deleted?)"))
 
         sch.on_consumer_cancel_callbacks.add(cancelled)
+
+        def owner_changed(name: str) -> None:
+            # Deleted (its connections close anyway) or no longer allowed into a direct URI's vhost: stop now.
+            if name == spec.owner:
+                reason = (identity.refusal(self.broker, name, src_uri)
+                          or identity.refusal(self.broker, name, dest_uri))
+                if reason is not None:
+                    failed(PermissionError(reason))
+
+        self.broker.on_user_changed.append(owner_changed)
+        try:
+            await self._consume(src, dest, sch, queue, deliver, done, acks, src_uri, dest_uri)
+        finally:
+            self.broker.on_user_changed.remove(owner_changed)
+
+    async def _consume(self, src: aiormq.abc.AbstractConnection, dest: aiormq.abc.AbstractConnection,
+                       sch: aiormq.abc.AbstractChannel, queue: str, deliver: Any, done: asyncio.Future[None],
+                       acks: Acks, src_uri: str, dest_uri: str) -> None:
+        spec = self.spec
         await sch.basic_consume(queue, deliver, no_ack=spec.ack_mode == "no-ack")
         self._set("running")
         log.info("shovel running", extra={"vhost": spec.vhost, "shovel": spec.name, "src": redact(src_uri),
@@ -185,10 +217,10 @@ class ShovelRunner(Supervised):
             with contextlib.suppress(Exception):
                 await asyncio.wait_for(acks.flush(), CLOSE_TIMEOUT)
             raise
+        if done.done():  # first: the owner's refusal closes its connections too, say why
+            done.result()
         for fut in finished:
-            if fut is done:
-                done.result()
-            else:
+            if fut is not done:
                 exc = fut.exception() if not fut.cancelled() else None
                 raise ConnectionError(f"{'source' if fut is src.closing else 'destination'} connection closed"
                                       + (f": {exc}" if exc else ""))
