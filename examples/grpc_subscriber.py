@@ -17,7 +17,7 @@ import os
 import signal
 import sys
 
-from leveret.client import Client, Deduplicator, LeveretError
+from leveret_client import Client, Deduplicator, LeveretError
 
 
 def main() -> int:

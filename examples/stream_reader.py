@@ -18,8 +18,7 @@ import os
 import signal
 import sys
 
-from leveret.client import LeveretError
-from leveret.streams_client import FIRST, LAST, NEXT, StreamsClient
+from leveret_client import FIRST, LAST, NEXT, LeveretError, StreamsClient
 
 STARTS = {"first": FIRST, "last": LAST, "next": NEXT}
 

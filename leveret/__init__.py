@@ -1,3 +1,4 @@
 """Leveret: an AMQP 0-9-1 message broker in Python."""
 
-__version__ = "0.1.0"
+# The release (pyproject.toml reads it; leveret-client carries the same number; CHANGELOG.md names it).
+__version__ = "0.2.0"

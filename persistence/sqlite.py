@@ -37,6 +37,7 @@ from core.ports.store import (
     TopologyWrite,
     UserRecord,
 )
+from persistence import backup
 from persistence.policy_rows import stored_policy
 from persistence.schema import SQLITE_MIGRATIONS, apply_sqlite
 from persistence.sqlite_bodies import DEFAULT_THRESHOLD, BodyIndex, BodyWrite
@@ -106,6 +107,17 @@ class SQLiteStore:
             self._db = db
 
         await asyncio.get_running_loop().run_in_executor(self._executor, connect)
+
+    async def backup(self, out: Path) -> dict[str, Any]:
+        """A consistent copy of the store as a tar at ``out`` (persistence/backup.py); its manifest.
+        It runs on the store's thread: commits wait while the body segments are copied."""
+        data_dir = Path(self.path).parent
+
+        def run(db: sqlite3.Connection) -> dict[str, Any]:
+            with open(out, "wb") as f:
+                return backup.snapshot(db, data_dir, f)
+
+        return await self._run(run)
 
     async def close(self) -> None:
         def close() -> None:

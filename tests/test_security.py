@@ -296,9 +296,9 @@ async def test_grpc_refusals_are_delayed_too() -> None:
     import grpc
     import grpc.aio
 
-    from core.grpc_api import leveret_pb2 as pb
-    from core.grpc_api import leveret_pb2_grpc as pb_grpc
     from leveret.node.grpc_server import GRPCServer
+    from leveret_client.proto import leveret_pb2 as pb
+    from leveret_client.proto import leveret_pb2_grpc as pb_grpc
 
     server = GRPCServer(Broker())
     await server.start("127.0.0.1", 0)

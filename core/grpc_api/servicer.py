@@ -30,11 +30,11 @@ from core.engine.queue import Consumer, Queue, QueueChannel
 from core.engine.stream import StreamQueue
 from core.engine.topic import topic_matches
 from core.engine.vhost import VirtualHost
-from core.grpc_api import leveret_pb2 as pb
-from core.grpc_api import leveret_pb2_grpc as pb_grpc
 from core.model import properties
 from core.model.errors import AccessRefused, BrokerError
 from core.model.message import Message, QueuedMessage
+from leveret_client.proto import leveret_pb2 as pb
+from leveret_client.proto import leveret_pb2_grpc as pb_grpc
 
 log = logging.getLogger("leveret.grpc")
 
@@ -43,6 +43,8 @@ DEFAULT_BATCH = 512
 # PushBatch handles this many messages per loop turn (~2-3 ms here), so a big batch
 # cannot keep the loop from other clients' acks and heartbeats (docs/notes/flow.md).
 PUSH_SLICE = 256
+# A publisher-chosen message id (PushRequest.id) at most this long, as an AMQP shortstr.
+MAX_ID = 255
 # Auto-ack subscriptions stop taking messages while this many wait to be sent.
 AUTO_ACK_BUFFER = 4096
 
@@ -500,6 +502,11 @@ class BrokerServicer(pb_grpc.BrokerServicer):
         persistent = req.persistent if req.HasField("persistent") else q.durable
         props, summary = message_properties(user, req.properties, persistent)
         message = Message("", req.topic, props, req.content, summary, self.broker.node_id)
+        if req.id:
+            # The publisher's id: a push it retries after a restart carries the same one (docs/GRPC.md).
+            if len(req.id) > MAX_ID:
+                raise ApiError(grpc.StatusCode.INVALID_ARGUMENT, f"message id longer than {MAX_ID} characters")
+            message.id = req.id
         message.id  # noqa: B018 - fixed now (ids are lazy): the reply names it, and a forward carries it
         # Cluster: another node owns the queue and gives the offset: 0 here (docs/CLUSTER.md).
         offset = q.next_offset if q.remote is None else 0

@@ -38,8 +38,6 @@ from core.engine.stream import StreamQueue, reachable, until_reachable
 from core.engine.stream_args import FIRST, LAST, NEXT, OffsetSpec, parse_age, reader_arguments
 from core.engine.stream_reader import LogChannel
 from core.engine.vhost import VirtualHost
-from core.grpc_api import leveret_pb2 as pb
-from core.grpc_api import leveret_pb2_grpc as pb_grpc
 from core.grpc_api.servicer import (
     DEFAULT_BATCH,
     DEFAULT_PREFETCH,
@@ -53,6 +51,8 @@ from core.grpc_api.servicer import (
 from core.model import properties
 from core.model.errors import NotOwner
 from core.model.message import Message, QueuedMessage
+from leveret_client.proto import leveret_pb2 as pb
+from leveret_client.proto import leveret_pb2_grpc as pb_grpc
 
 _SPECS: dict[int, OffsetSpec] = {int(pb.OFFSET_NEXT): NEXT, int(pb.OFFSET_FIRST): FIRST, int(pb.OFFSET_LAST): LAST}
 

@@ -1,6 +1,6 @@
 """What both pages share: options, the gRPC client, a live feed (server-sent events) fed by a subscription.
 
-Each page is an aiohttp program. It holds one ``leveret.client.AsyncClient``;
+Each page is an aiohttp program. It holds one ``leveret_client.AsyncClient``;
 what a subscription delivers is acked, remembered (the last ``HISTORY`` items,
 so a page opened later sees them) and sent to every open ``/events`` stream
 as a server-sent event. The browser side is ``EventSource``, which reconnects
@@ -22,7 +22,7 @@ from typing import Any
 
 from aiohttp import web
 
-from leveret.client import AsyncClient, AsyncSubscriber, LeveretError, Message
+from leveret_client import AsyncClient, AsyncSubscriber, LeveretError, Message
 
 NEWS_QUEUE = "news-web"
 COMMENTS_QUEUE = "news-web-comments"

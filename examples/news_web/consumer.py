@@ -28,7 +28,7 @@ from examples.news_web.common import (
     parse_args,
     serve,
 )
-from leveret.client import AsyncClient, LeveretError
+from leveret_client import AsyncClient, LeveretError
 
 MAX_COMMENT = 1000
 

@@ -2,7 +2,7 @@
 
     python -m examples.news_web.pusher --grpc 127.0.0.1:50051 --port 8081
 
-Each headline is pushed over gRPC (``leveret.client``) to the queue
+Each headline is pushed over gRPC (``leveret_client``) to the queue
 ``news-web`` with its topic (``sports``, ``tech``, ...) as the message's topic;
 consumer pages see the topics they subscribed to. Comments come back on the
 queue ``news-web-comments`` and appear under "Comments" without a reload.
@@ -28,7 +28,7 @@ from examples.news_web.common import (
     parse_args,
     serve,
 )
-from leveret.client import AsyncClient, LeveretError
+from leveret_client import AsyncClient, LeveretError
 
 TOPIC = re.compile(r"^[a-z0-9][a-z0-9_-]{0,31}$")
 MAX_HEADLINE, MAX_BODY = 200, 5000

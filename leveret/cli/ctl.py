@@ -21,7 +21,7 @@ from collections.abc import Callable
 from typing import Any
 from urllib.parse import quote
 
-from leveret.cli import ctl_args
+from leveret.cli import backup, ctl_args
 from leveret.cli.ctl_args import (
     EX_DATAERR,
     EX_NOPERM,
@@ -602,6 +602,10 @@ def _node(client: Client, opts: Options) -> None:
         _set_disk_free_limit(client, opts)
 
 
+def _backup_and_restore(client: Client, opts: Options) -> None:
+    backup.main(client, opts.command, opts.args)
+
+
 HANDLERS: dict[str, Callable[[Client, Options], Any]] = {
     **{c: _list for c in LISTS},
     **{c: _users_and_vhosts for c in ("add_user", "delete_user", "change_password", "set_user_tags",
@@ -619,6 +623,7 @@ HANDLERS: dict[str, Callable[[Client, Options], Any]] = {
     **{c: _node for c in ("status", "cluster_status", "set_cluster_name", "environment", "list_feature_flags",
                           "rotate_logs", "await_startup", "authenticate_user", "report", "node_health_check",
                           "set_vm_memory_high_watermark", "set_disk_free_limit")},
+    **{c: _backup_and_restore for c in backup.COMMANDS},
 }
 COMMANDS = tuple(HANDLERS)
 

@@ -9,7 +9,7 @@ from typing import Any
 
 from google.protobuf.json_format import MessageToDict
 
-from core.grpc_api import leveret_pb2 as pb
+from leveret_client.proto import leveret_pb2 as pb
 
 
 def add_parser(sub: Any) -> None:
@@ -42,8 +42,7 @@ def _show(info: pb.StreamInfo) -> None:
 
 
 def main(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
-    from leveret.client import LeveretError
-    from leveret.streams_client import StreamsClient
+    from leveret_client import LeveretError, StreamsClient
 
     command = getattr(args, "streams_command", None)
     if command not in ("create", "info", "delete"):

@@ -27,6 +27,7 @@ from core.engine.vhost import VirtualHost
 from core.model.errors import AccessRefused, BrokerError, NotFound, ResourceLocked
 from leveret.http import (
     api_admin,
+    api_backup,
     api_conns,
     api_federation,
     api_limits,
@@ -137,8 +138,8 @@ class ManagementAPI:
         self.started_at = time.time()
         self.rates = RateSampler(node.broker, amqp=node.amqp)
         self.router = Router()
-        for module in (api_admin, api_conns, api_limits, api_topology, api_retention, api_shovels, api_federation,
-                       definitions, api_operator):
+        for module in (api_admin, api_backup, api_conns, api_limits, api_topology, api_retention, api_shovels,
+                       api_federation, definitions, api_operator):
             module.register(self.router)
         self.app = web.Application(client_max_size=MAX_BODY)
         console.register(self.app)

@@ -8,10 +8,10 @@ from collections.abc import Callable
 import grpc
 
 from core.engine.broker import Broker
-from core.grpc_api import leveret_pb2_grpc as pb_grpc
 from core.grpc_api.auth_first import AuthFirst
 from core.grpc_api.servicer import BrokerServicer
 from core.grpc_api.streams_servicer import StreamsServicer
+from leveret_client.proto import leveret_pb2_grpc as pb_grpc
 
 log = logging.getLogger("leveret.grpc")
 

@@ -3,7 +3,7 @@
 import grpc
 import warnings
 
-from core.grpc_api import leveret_pb2 as core_dot_grpc__api_dot_leveret__pb2
+from leveret_client.proto import leveret_pb2 as leveret__client_dot_proto_dot_leveret__pb2
 
 GRPC_GENERATED_VERSION = '1.85.1'
 GRPC_VERSION = grpc.__version__
@@ -18,7 +18,7 @@ except ImportError:
 if _version_not_supported:
     raise RuntimeError(
         f'The grpc package installed is at version {GRPC_VERSION},'
-        + ' but the generated code in core/grpc_api/leveret_pb2_grpc.py depends on'
+        + ' but the generated code in leveret_client/proto/leveret_pb2_grpc.py depends on'
         + f' grpcio>={GRPC_GENERATED_VERSION}.'
         + f' Please upgrade your grpc module to grpcio>={GRPC_GENERATED_VERSION}'
         + f' or downgrade your generated code using grpcio-tools<={GRPC_VERSION}.'
@@ -36,68 +36,68 @@ class BrokerStub:
         """
         self.CreateQueue = channel.unary_unary(
                 '/leveret.v1.Broker/CreateQueue',
-                request_serializer=core_dot_grpc__api_dot_leveret__pb2.CreateQueueRequest.SerializeToString,
-                response_deserializer=core_dot_grpc__api_dot_leveret__pb2.QueueInfo.FromString,
+                request_serializer=leveret__client_dot_proto_dot_leveret__pb2.CreateQueueRequest.SerializeToString,
+                response_deserializer=leveret__client_dot_proto_dot_leveret__pb2.QueueInfo.FromString,
                 _registered_method=True)
         self.DeleteQueue = channel.unary_unary(
                 '/leveret.v1.Broker/DeleteQueue',
-                request_serializer=core_dot_grpc__api_dot_leveret__pb2.DeleteQueueRequest.SerializeToString,
-                response_deserializer=core_dot_grpc__api_dot_leveret__pb2.DeleteQueueResponse.FromString,
+                request_serializer=leveret__client_dot_proto_dot_leveret__pb2.DeleteQueueRequest.SerializeToString,
+                response_deserializer=leveret__client_dot_proto_dot_leveret__pb2.DeleteQueueResponse.FromString,
                 _registered_method=True)
         self.ListQueues = channel.unary_unary(
                 '/leveret.v1.Broker/ListQueues',
-                request_serializer=core_dot_grpc__api_dot_leveret__pb2.ListQueuesRequest.SerializeToString,
-                response_deserializer=core_dot_grpc__api_dot_leveret__pb2.ListQueuesResponse.FromString,
+                request_serializer=leveret__client_dot_proto_dot_leveret__pb2.ListQueuesRequest.SerializeToString,
+                response_deserializer=leveret__client_dot_proto_dot_leveret__pb2.ListQueuesResponse.FromString,
                 _registered_method=True)
         self.CreateChannel = channel.unary_unary(
                 '/leveret.v1.Broker/CreateChannel',
-                request_serializer=core_dot_grpc__api_dot_leveret__pb2.CreateChannelRequest.SerializeToString,
-                response_deserializer=core_dot_grpc__api_dot_leveret__pb2.ChannelInfo.FromString,
+                request_serializer=leveret__client_dot_proto_dot_leveret__pb2.CreateChannelRequest.SerializeToString,
+                response_deserializer=leveret__client_dot_proto_dot_leveret__pb2.ChannelInfo.FromString,
                 _registered_method=True)
         self.DeleteChannel = channel.unary_unary(
                 '/leveret.v1.Broker/DeleteChannel',
-                request_serializer=core_dot_grpc__api_dot_leveret__pb2.DeleteChannelRequest.SerializeToString,
-                response_deserializer=core_dot_grpc__api_dot_leveret__pb2.DeleteChannelResponse.FromString,
+                request_serializer=leveret__client_dot_proto_dot_leveret__pb2.DeleteChannelRequest.SerializeToString,
+                response_deserializer=leveret__client_dot_proto_dot_leveret__pb2.DeleteChannelResponse.FromString,
                 _registered_method=True)
         self.ListChannels = channel.unary_unary(
                 '/leveret.v1.Broker/ListChannels',
-                request_serializer=core_dot_grpc__api_dot_leveret__pb2.ListChannelsRequest.SerializeToString,
-                response_deserializer=core_dot_grpc__api_dot_leveret__pb2.ListChannelsResponse.FromString,
+                request_serializer=leveret__client_dot_proto_dot_leveret__pb2.ListChannelsRequest.SerializeToString,
+                response_deserializer=leveret__client_dot_proto_dot_leveret__pb2.ListChannelsResponse.FromString,
                 _registered_method=True)
         self.Push = channel.unary_unary(
                 '/leveret.v1.Broker/Push',
-                request_serializer=core_dot_grpc__api_dot_leveret__pb2.PushRequest.SerializeToString,
-                response_deserializer=core_dot_grpc__api_dot_leveret__pb2.PushResponse.FromString,
+                request_serializer=leveret__client_dot_proto_dot_leveret__pb2.PushRequest.SerializeToString,
+                response_deserializer=leveret__client_dot_proto_dot_leveret__pb2.PushResponse.FromString,
                 _registered_method=True)
         self.PushBatch = channel.unary_unary(
                 '/leveret.v1.Broker/PushBatch',
-                request_serializer=core_dot_grpc__api_dot_leveret__pb2.PushBatchRequest.SerializeToString,
-                response_deserializer=core_dot_grpc__api_dot_leveret__pb2.PushBatchResponse.FromString,
+                request_serializer=leveret__client_dot_proto_dot_leveret__pb2.PushBatchRequest.SerializeToString,
+                response_deserializer=leveret__client_dot_proto_dot_leveret__pb2.PushBatchResponse.FromString,
                 _registered_method=True)
         self.Subscribe = channel.unary_stream(
                 '/leveret.v1.Broker/Subscribe',
-                request_serializer=core_dot_grpc__api_dot_leveret__pb2.SubscribeRequest.SerializeToString,
-                response_deserializer=core_dot_grpc__api_dot_leveret__pb2.SubscribeResponse.FromString,
+                request_serializer=leveret__client_dot_proto_dot_leveret__pb2.SubscribeRequest.SerializeToString,
+                response_deserializer=leveret__client_dot_proto_dot_leveret__pb2.SubscribeResponse.FromString,
                 _registered_method=True)
         self.Ack = channel.unary_unary(
                 '/leveret.v1.Broker/Ack',
-                request_serializer=core_dot_grpc__api_dot_leveret__pb2.AckRequest.SerializeToString,
-                response_deserializer=core_dot_grpc__api_dot_leveret__pb2.AckResponse.FromString,
+                request_serializer=leveret__client_dot_proto_dot_leveret__pb2.AckRequest.SerializeToString,
+                response_deserializer=leveret__client_dot_proto_dot_leveret__pb2.AckResponse.FromString,
                 _registered_method=True)
         self.Nack = channel.unary_unary(
                 '/leveret.v1.Broker/Nack',
-                request_serializer=core_dot_grpc__api_dot_leveret__pb2.NackRequest.SerializeToString,
-                response_deserializer=core_dot_grpc__api_dot_leveret__pb2.AckResponse.FromString,
+                request_serializer=leveret__client_dot_proto_dot_leveret__pb2.NackRequest.SerializeToString,
+                response_deserializer=leveret__client_dot_proto_dot_leveret__pb2.AckResponse.FromString,
                 _registered_method=True)
         self.WatchCluster = channel.unary_stream(
                 '/leveret.v1.Broker/WatchCluster',
-                request_serializer=core_dot_grpc__api_dot_leveret__pb2.WatchClusterRequest.SerializeToString,
-                response_deserializer=core_dot_grpc__api_dot_leveret__pb2.ClusterEvent.FromString,
+                request_serializer=leveret__client_dot_proto_dot_leveret__pb2.WatchClusterRequest.SerializeToString,
+                response_deserializer=leveret__client_dot_proto_dot_leveret__pb2.ClusterEvent.FromString,
                 _registered_method=True)
         self.Nodes = channel.unary_unary(
                 '/leveret.v1.Broker/Nodes',
-                request_serializer=core_dot_grpc__api_dot_leveret__pb2.NodesRequest.SerializeToString,
-                response_deserializer=core_dot_grpc__api_dot_leveret__pb2.NodesResponse.FromString,
+                request_serializer=leveret__client_dot_proto_dot_leveret__pb2.NodesRequest.SerializeToString,
+                response_deserializer=leveret__client_dot_proto_dot_leveret__pb2.NodesResponse.FromString,
                 _registered_method=True)
 
 
@@ -180,7 +180,7 @@ class BrokerServicer:
 
     def Nodes(self, request, context):
         """The node that answers and the cluster's live nodes, with their regions
-        (itself alone when not clustered): what leveret.client's nearest-node
+        (itself alone when not clustered): what leveret_client's nearest-node
         choice asks, and cheap enough to time as its round-trip probe.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
@@ -192,68 +192,68 @@ def add_BrokerServicer_to_server(servicer, server):
     rpc_method_handlers = {
             'CreateQueue': grpc.unary_unary_rpc_method_handler(
                     servicer.CreateQueue,
-                    request_deserializer=core_dot_grpc__api_dot_leveret__pb2.CreateQueueRequest.FromString,
-                    response_serializer=core_dot_grpc__api_dot_leveret__pb2.QueueInfo.SerializeToString,
+                    request_deserializer=leveret__client_dot_proto_dot_leveret__pb2.CreateQueueRequest.FromString,
+                    response_serializer=leveret__client_dot_proto_dot_leveret__pb2.QueueInfo.SerializeToString,
             ),
             'DeleteQueue': grpc.unary_unary_rpc_method_handler(
                     servicer.DeleteQueue,
-                    request_deserializer=core_dot_grpc__api_dot_leveret__pb2.DeleteQueueRequest.FromString,
-                    response_serializer=core_dot_grpc__api_dot_leveret__pb2.DeleteQueueResponse.SerializeToString,
+                    request_deserializer=leveret__client_dot_proto_dot_leveret__pb2.DeleteQueueRequest.FromString,
+                    response_serializer=leveret__client_dot_proto_dot_leveret__pb2.DeleteQueueResponse.SerializeToString,
             ),
             'ListQueues': grpc.unary_unary_rpc_method_handler(
                     servicer.ListQueues,
-                    request_deserializer=core_dot_grpc__api_dot_leveret__pb2.ListQueuesRequest.FromString,
-                    response_serializer=core_dot_grpc__api_dot_leveret__pb2.ListQueuesResponse.SerializeToString,
+                    request_deserializer=leveret__client_dot_proto_dot_leveret__pb2.ListQueuesRequest.FromString,
+                    response_serializer=leveret__client_dot_proto_dot_leveret__pb2.ListQueuesResponse.SerializeToString,
             ),
             'CreateChannel': grpc.unary_unary_rpc_method_handler(
                     servicer.CreateChannel,
-                    request_deserializer=core_dot_grpc__api_dot_leveret__pb2.CreateChannelRequest.FromString,
-                    response_serializer=core_dot_grpc__api_dot_leveret__pb2.ChannelInfo.SerializeToString,
+                    request_deserializer=leveret__client_dot_proto_dot_leveret__pb2.CreateChannelRequest.FromString,
+                    response_serializer=leveret__client_dot_proto_dot_leveret__pb2.ChannelInfo.SerializeToString,
             ),
             'DeleteChannel': grpc.unary_unary_rpc_method_handler(
                     servicer.DeleteChannel,
-                    request_deserializer=core_dot_grpc__api_dot_leveret__pb2.DeleteChannelRequest.FromString,
-                    response_serializer=core_dot_grpc__api_dot_leveret__pb2.DeleteChannelResponse.SerializeToString,
+                    request_deserializer=leveret__client_dot_proto_dot_leveret__pb2.DeleteChannelRequest.FromString,
+                    response_serializer=leveret__client_dot_proto_dot_leveret__pb2.DeleteChannelResponse.SerializeToString,
             ),
             'ListChannels': grpc.unary_unary_rpc_method_handler(
                     servicer.ListChannels,
-                    request_deserializer=core_dot_grpc__api_dot_leveret__pb2.ListChannelsRequest.FromString,
-                    response_serializer=core_dot_grpc__api_dot_leveret__pb2.ListChannelsResponse.SerializeToString,
+                    request_deserializer=leveret__client_dot_proto_dot_leveret__pb2.ListChannelsRequest.FromString,
+                    response_serializer=leveret__client_dot_proto_dot_leveret__pb2.ListChannelsResponse.SerializeToString,
             ),
             'Push': grpc.unary_unary_rpc_method_handler(
                     servicer.Push,
-                    request_deserializer=core_dot_grpc__api_dot_leveret__pb2.PushRequest.FromString,
-                    response_serializer=core_dot_grpc__api_dot_leveret__pb2.PushResponse.SerializeToString,
+                    request_deserializer=leveret__client_dot_proto_dot_leveret__pb2.PushRequest.FromString,
+                    response_serializer=leveret__client_dot_proto_dot_leveret__pb2.PushResponse.SerializeToString,
             ),
             'PushBatch': grpc.unary_unary_rpc_method_handler(
                     servicer.PushBatch,
-                    request_deserializer=core_dot_grpc__api_dot_leveret__pb2.PushBatchRequest.FromString,
-                    response_serializer=core_dot_grpc__api_dot_leveret__pb2.PushBatchResponse.SerializeToString,
+                    request_deserializer=leveret__client_dot_proto_dot_leveret__pb2.PushBatchRequest.FromString,
+                    response_serializer=leveret__client_dot_proto_dot_leveret__pb2.PushBatchResponse.SerializeToString,
             ),
             'Subscribe': grpc.unary_stream_rpc_method_handler(
                     servicer.Subscribe,
-                    request_deserializer=core_dot_grpc__api_dot_leveret__pb2.SubscribeRequest.FromString,
-                    response_serializer=core_dot_grpc__api_dot_leveret__pb2.SubscribeResponse.SerializeToString,
+                    request_deserializer=leveret__client_dot_proto_dot_leveret__pb2.SubscribeRequest.FromString,
+                    response_serializer=leveret__client_dot_proto_dot_leveret__pb2.SubscribeResponse.SerializeToString,
             ),
             'Ack': grpc.unary_unary_rpc_method_handler(
                     servicer.Ack,
-                    request_deserializer=core_dot_grpc__api_dot_leveret__pb2.AckRequest.FromString,
-                    response_serializer=core_dot_grpc__api_dot_leveret__pb2.AckResponse.SerializeToString,
+                    request_deserializer=leveret__client_dot_proto_dot_leveret__pb2.AckRequest.FromString,
+                    response_serializer=leveret__client_dot_proto_dot_leveret__pb2.AckResponse.SerializeToString,
             ),
             'Nack': grpc.unary_unary_rpc_method_handler(
                     servicer.Nack,
-                    request_deserializer=core_dot_grpc__api_dot_leveret__pb2.NackRequest.FromString,
-                    response_serializer=core_dot_grpc__api_dot_leveret__pb2.AckResponse.SerializeToString,
+                    request_deserializer=leveret__client_dot_proto_dot_leveret__pb2.NackRequest.FromString,
+                    response_serializer=leveret__client_dot_proto_dot_leveret__pb2.AckResponse.SerializeToString,
             ),
             'WatchCluster': grpc.unary_stream_rpc_method_handler(
                     servicer.WatchCluster,
-                    request_deserializer=core_dot_grpc__api_dot_leveret__pb2.WatchClusterRequest.FromString,
-                    response_serializer=core_dot_grpc__api_dot_leveret__pb2.ClusterEvent.SerializeToString,
+                    request_deserializer=leveret__client_dot_proto_dot_leveret__pb2.WatchClusterRequest.FromString,
+                    response_serializer=leveret__client_dot_proto_dot_leveret__pb2.ClusterEvent.SerializeToString,
             ),
             'Nodes': grpc.unary_unary_rpc_method_handler(
                     servicer.Nodes,
-                    request_deserializer=core_dot_grpc__api_dot_leveret__pb2.NodesRequest.FromString,
-                    response_serializer=core_dot_grpc__api_dot_leveret__pb2.NodesResponse.SerializeToString,
+                    request_deserializer=leveret__client_dot_proto_dot_leveret__pb2.NodesRequest.FromString,
+                    response_serializer=leveret__client_dot_proto_dot_leveret__pb2.NodesResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -281,8 +281,8 @@ class Broker:
             request,
             target,
             '/leveret.v1.Broker/CreateQueue',
-            core_dot_grpc__api_dot_leveret__pb2.CreateQueueRequest.SerializeToString,
-            core_dot_grpc__api_dot_leveret__pb2.QueueInfo.FromString,
+            leveret__client_dot_proto_dot_leveret__pb2.CreateQueueRequest.SerializeToString,
+            leveret__client_dot_proto_dot_leveret__pb2.QueueInfo.FromString,
             options,
             channel_credentials,
             insecure,
@@ -308,8 +308,8 @@ class Broker:
             request,
             target,
             '/leveret.v1.Broker/DeleteQueue',
-            core_dot_grpc__api_dot_leveret__pb2.DeleteQueueRequest.SerializeToString,
-            core_dot_grpc__api_dot_leveret__pb2.DeleteQueueResponse.FromString,
+            leveret__client_dot_proto_dot_leveret__pb2.DeleteQueueRequest.SerializeToString,
+            leveret__client_dot_proto_dot_leveret__pb2.DeleteQueueResponse.FromString,
             options,
             channel_credentials,
             insecure,
@@ -335,8 +335,8 @@ class Broker:
             request,
             target,
             '/leveret.v1.Broker/ListQueues',
-            core_dot_grpc__api_dot_leveret__pb2.ListQueuesRequest.SerializeToString,
-            core_dot_grpc__api_dot_leveret__pb2.ListQueuesResponse.FromString,
+            leveret__client_dot_proto_dot_leveret__pb2.ListQueuesRequest.SerializeToString,
+            leveret__client_dot_proto_dot_leveret__pb2.ListQueuesResponse.FromString,
             options,
             channel_credentials,
             insecure,
@@ -362,8 +362,8 @@ class Broker:
             request,
             target,
             '/leveret.v1.Broker/CreateChannel',
-            core_dot_grpc__api_dot_leveret__pb2.CreateChannelRequest.SerializeToString,
-            core_dot_grpc__api_dot_leveret__pb2.ChannelInfo.FromString,
+            leveret__client_dot_proto_dot_leveret__pb2.CreateChannelRequest.SerializeToString,
+            leveret__client_dot_proto_dot_leveret__pb2.ChannelInfo.FromString,
             options,
             channel_credentials,
             insecure,
@@ -389,8 +389,8 @@ class Broker:
             request,
             target,
             '/leveret.v1.Broker/DeleteChannel',
-            core_dot_grpc__api_dot_leveret__pb2.DeleteChannelRequest.SerializeToString,
-            core_dot_grpc__api_dot_leveret__pb2.DeleteChannelResponse.FromString,
+            leveret__client_dot_proto_dot_leveret__pb2.DeleteChannelRequest.SerializeToString,
+            leveret__client_dot_proto_dot_leveret__pb2.DeleteChannelResponse.FromString,
             options,
             channel_credentials,
             insecure,
@@ -416,8 +416,8 @@ class Broker:
             request,
             target,
             '/leveret.v1.Broker/ListChannels',
-            core_dot_grpc__api_dot_leveret__pb2.ListChannelsRequest.SerializeToString,
-            core_dot_grpc__api_dot_leveret__pb2.ListChannelsResponse.FromString,
+            leveret__client_dot_proto_dot_leveret__pb2.ListChannelsRequest.SerializeToString,
+            leveret__client_dot_proto_dot_leveret__pb2.ListChannelsResponse.FromString,
             options,
             channel_credentials,
             insecure,
@@ -443,8 +443,8 @@ class Broker:
             request,
             target,
             '/leveret.v1.Broker/Push',
-            core_dot_grpc__api_dot_leveret__pb2.PushRequest.SerializeToString,
-            core_dot_grpc__api_dot_leveret__pb2.PushResponse.FromString,
+            leveret__client_dot_proto_dot_leveret__pb2.PushRequest.SerializeToString,
+            leveret__client_dot_proto_dot_leveret__pb2.PushResponse.FromString,
             options,
             channel_credentials,
             insecure,
@@ -470,8 +470,8 @@ class Broker:
             request,
             target,
             '/leveret.v1.Broker/PushBatch',
-            core_dot_grpc__api_dot_leveret__pb2.PushBatchRequest.SerializeToString,
-            core_dot_grpc__api_dot_leveret__pb2.PushBatchResponse.FromString,
+            leveret__client_dot_proto_dot_leveret__pb2.PushBatchRequest.SerializeToString,
+            leveret__client_dot_proto_dot_leveret__pb2.PushBatchResponse.FromString,
             options,
             channel_credentials,
             insecure,
@@ -497,8 +497,8 @@ class Broker:
             request,
             target,
             '/leveret.v1.Broker/Subscribe',
-            core_dot_grpc__api_dot_leveret__pb2.SubscribeRequest.SerializeToString,
-            core_dot_grpc__api_dot_leveret__pb2.SubscribeResponse.FromString,
+            leveret__client_dot_proto_dot_leveret__pb2.SubscribeRequest.SerializeToString,
+            leveret__client_dot_proto_dot_leveret__pb2.SubscribeResponse.FromString,
             options,
             channel_credentials,
             insecure,
@@ -524,8 +524,8 @@ class Broker:
             request,
             target,
             '/leveret.v1.Broker/Ack',
-            core_dot_grpc__api_dot_leveret__pb2.AckRequest.SerializeToString,
-            core_dot_grpc__api_dot_leveret__pb2.AckResponse.FromString,
+            leveret__client_dot_proto_dot_leveret__pb2.AckRequest.SerializeToString,
+            leveret__client_dot_proto_dot_leveret__pb2.AckResponse.FromString,
             options,
             channel_credentials,
             insecure,
@@ -551,8 +551,8 @@ class Broker:
             request,
             target,
             '/leveret.v1.Broker/Nack',
-            core_dot_grpc__api_dot_leveret__pb2.NackRequest.SerializeToString,
-            core_dot_grpc__api_dot_leveret__pb2.AckResponse.FromString,
+            leveret__client_dot_proto_dot_leveret__pb2.NackRequest.SerializeToString,
+            leveret__client_dot_proto_dot_leveret__pb2.AckResponse.FromString,
             options,
             channel_credentials,
             insecure,
@@ -578,8 +578,8 @@ class Broker:
             request,
             target,
             '/leveret.v1.Broker/WatchCluster',
-            core_dot_grpc__api_dot_leveret__pb2.WatchClusterRequest.SerializeToString,
-            core_dot_grpc__api_dot_leveret__pb2.ClusterEvent.FromString,
+            leveret__client_dot_proto_dot_leveret__pb2.WatchClusterRequest.SerializeToString,
+            leveret__client_dot_proto_dot_leveret__pb2.ClusterEvent.FromString,
             options,
             channel_credentials,
             insecure,
@@ -605,8 +605,8 @@ class Broker:
             request,
             target,
             '/leveret.v1.Broker/Nodes',
-            core_dot_grpc__api_dot_leveret__pb2.NodesRequest.SerializeToString,
-            core_dot_grpc__api_dot_leveret__pb2.NodesResponse.FromString,
+            leveret__client_dot_proto_dot_leveret__pb2.NodesRequest.SerializeToString,
+            leveret__client_dot_proto_dot_leveret__pb2.NodesResponse.FromString,
             options,
             channel_credentials,
             insecure,
@@ -636,33 +636,33 @@ class StreamsStub:
         """
         self.CreateStream = channel.unary_unary(
                 '/leveret.v1.Streams/CreateStream',
-                request_serializer=core_dot_grpc__api_dot_leveret__pb2.CreateStreamRequest.SerializeToString,
-                response_deserializer=core_dot_grpc__api_dot_leveret__pb2.StreamInfo.FromString,
+                request_serializer=leveret__client_dot_proto_dot_leveret__pb2.CreateStreamRequest.SerializeToString,
+                response_deserializer=leveret__client_dot_proto_dot_leveret__pb2.StreamInfo.FromString,
                 _registered_method=True)
         self.GetStream = channel.unary_unary(
                 '/leveret.v1.Streams/GetStream',
-                request_serializer=core_dot_grpc__api_dot_leveret__pb2.GetStreamRequest.SerializeToString,
-                response_deserializer=core_dot_grpc__api_dot_leveret__pb2.StreamInfo.FromString,
+                request_serializer=leveret__client_dot_proto_dot_leveret__pb2.GetStreamRequest.SerializeToString,
+                response_deserializer=leveret__client_dot_proto_dot_leveret__pb2.StreamInfo.FromString,
                 _registered_method=True)
         self.DeleteStream = channel.unary_unary(
                 '/leveret.v1.Streams/DeleteStream',
-                request_serializer=core_dot_grpc__api_dot_leveret__pb2.DeleteStreamRequest.SerializeToString,
-                response_deserializer=core_dot_grpc__api_dot_leveret__pb2.DeleteStreamResponse.FromString,
+                request_serializer=leveret__client_dot_proto_dot_leveret__pb2.DeleteStreamRequest.SerializeToString,
+                response_deserializer=leveret__client_dot_proto_dot_leveret__pb2.DeleteStreamResponse.FromString,
                 _registered_method=True)
         self.Publish = channel.unary_unary(
                 '/leveret.v1.Streams/Publish',
-                request_serializer=core_dot_grpc__api_dot_leveret__pb2.PublishRequest.SerializeToString,
-                response_deserializer=core_dot_grpc__api_dot_leveret__pb2.PublishResponse.FromString,
+                request_serializer=leveret__client_dot_proto_dot_leveret__pb2.PublishRequest.SerializeToString,
+                response_deserializer=leveret__client_dot_proto_dot_leveret__pb2.PublishResponse.FromString,
                 _registered_method=True)
         self.Subscribe = channel.unary_stream(
                 '/leveret.v1.Streams/Subscribe',
-                request_serializer=core_dot_grpc__api_dot_leveret__pb2.StreamSubscribeRequest.SerializeToString,
-                response_deserializer=core_dot_grpc__api_dot_leveret__pb2.StreamMessages.FromString,
+                request_serializer=leveret__client_dot_proto_dot_leveret__pb2.StreamSubscribeRequest.SerializeToString,
+                response_deserializer=leveret__client_dot_proto_dot_leveret__pb2.StreamMessages.FromString,
                 _registered_method=True)
         self.CommitOffset = channel.unary_unary(
                 '/leveret.v1.Streams/CommitOffset',
-                request_serializer=core_dot_grpc__api_dot_leveret__pb2.CommitOffsetRequest.SerializeToString,
-                response_deserializer=core_dot_grpc__api_dot_leveret__pb2.CommitOffsetResponse.FromString,
+                request_serializer=leveret__client_dot_proto_dot_leveret__pb2.CommitOffsetRequest.SerializeToString,
+                response_deserializer=leveret__client_dot_proto_dot_leveret__pb2.CommitOffsetResponse.FromString,
                 _registered_method=True)
 
 
@@ -719,33 +719,33 @@ def add_StreamsServicer_to_server(servicer, server):
     rpc_method_handlers = {
             'CreateStream': grpc.unary_unary_rpc_method_handler(
                     servicer.CreateStream,
-                    request_deserializer=core_dot_grpc__api_dot_leveret__pb2.CreateStreamRequest.FromString,
-                    response_serializer=core_dot_grpc__api_dot_leveret__pb2.StreamInfo.SerializeToString,
+                    request_deserializer=leveret__client_dot_proto_dot_leveret__pb2.CreateStreamRequest.FromString,
+                    response_serializer=leveret__client_dot_proto_dot_leveret__pb2.StreamInfo.SerializeToString,
             ),
             'GetStream': grpc.unary_unary_rpc_method_handler(
                     servicer.GetStream,
-                    request_deserializer=core_dot_grpc__api_dot_leveret__pb2.GetStreamRequest.FromString,
-                    response_serializer=core_dot_grpc__api_dot_leveret__pb2.StreamInfo.SerializeToString,
+                    request_deserializer=leveret__client_dot_proto_dot_leveret__pb2.GetStreamRequest.FromString,
+                    response_serializer=leveret__client_dot_proto_dot_leveret__pb2.StreamInfo.SerializeToString,
             ),
             'DeleteStream': grpc.unary_unary_rpc_method_handler(
                     servicer.DeleteStream,
-                    request_deserializer=core_dot_grpc__api_dot_leveret__pb2.DeleteStreamRequest.FromString,
-                    response_serializer=core_dot_grpc__api_dot_leveret__pb2.DeleteStreamResponse.SerializeToString,
+                    request_deserializer=leveret__client_dot_proto_dot_leveret__pb2.DeleteStreamRequest.FromString,
+                    response_serializer=leveret__client_dot_proto_dot_leveret__pb2.DeleteStreamResponse.SerializeToString,
             ),
             'Publish': grpc.unary_unary_rpc_method_handler(
                     servicer.Publish,
-                    request_deserializer=core_dot_grpc__api_dot_leveret__pb2.PublishRequest.FromString,
-                    response_serializer=core_dot_grpc__api_dot_leveret__pb2.PublishResponse.SerializeToString,
+                    request_deserializer=leveret__client_dot_proto_dot_leveret__pb2.PublishRequest.FromString,
+                    response_serializer=leveret__client_dot_proto_dot_leveret__pb2.PublishResponse.SerializeToString,
             ),
             'Subscribe': grpc.unary_stream_rpc_method_handler(
                     servicer.Subscribe,
-                    request_deserializer=core_dot_grpc__api_dot_leveret__pb2.StreamSubscribeRequest.FromString,
-                    response_serializer=core_dot_grpc__api_dot_leveret__pb2.StreamMessages.SerializeToString,
+                    request_deserializer=leveret__client_dot_proto_dot_leveret__pb2.StreamSubscribeRequest.FromString,
+                    response_serializer=leveret__client_dot_proto_dot_leveret__pb2.StreamMessages.SerializeToString,
             ),
             'CommitOffset': grpc.unary_unary_rpc_method_handler(
                     servicer.CommitOffset,
-                    request_deserializer=core_dot_grpc__api_dot_leveret__pb2.CommitOffsetRequest.FromString,
-                    response_serializer=core_dot_grpc__api_dot_leveret__pb2.CommitOffsetResponse.SerializeToString,
+                    request_deserializer=leveret__client_dot_proto_dot_leveret__pb2.CommitOffsetRequest.FromString,
+                    response_serializer=leveret__client_dot_proto_dot_leveret__pb2.CommitOffsetResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -780,8 +780,8 @@ class Streams:
             request,
             target,
             '/leveret.v1.Streams/CreateStream',
-            core_dot_grpc__api_dot_leveret__pb2.CreateStreamRequest.SerializeToString,
-            core_dot_grpc__api_dot_leveret__pb2.StreamInfo.FromString,
+            leveret__client_dot_proto_dot_leveret__pb2.CreateStreamRequest.SerializeToString,
+            leveret__client_dot_proto_dot_leveret__pb2.StreamInfo.FromString,
             options,
             channel_credentials,
             insecure,
@@ -807,8 +807,8 @@ class Streams:
             request,
             target,
             '/leveret.v1.Streams/GetStream',
-            core_dot_grpc__api_dot_leveret__pb2.GetStreamRequest.SerializeToString,
-            core_dot_grpc__api_dot_leveret__pb2.StreamInfo.FromString,
+            leveret__client_dot_proto_dot_leveret__pb2.GetStreamRequest.SerializeToString,
+            leveret__client_dot_proto_dot_leveret__pb2.StreamInfo.FromString,
             options,
             channel_credentials,
             insecure,
@@ -834,8 +834,8 @@ class Streams:
             request,
             target,
             '/leveret.v1.Streams/DeleteStream',
-            core_dot_grpc__api_dot_leveret__pb2.DeleteStreamRequest.SerializeToString,
-            core_dot_grpc__api_dot_leveret__pb2.DeleteStreamResponse.FromString,
+            leveret__client_dot_proto_dot_leveret__pb2.DeleteStreamRequest.SerializeToString,
+            leveret__client_dot_proto_dot_leveret__pb2.DeleteStreamResponse.FromString,
             options,
             channel_credentials,
             insecure,
@@ -861,8 +861,8 @@ class Streams:
             request,
             target,
             '/leveret.v1.Streams/Publish',
-            core_dot_grpc__api_dot_leveret__pb2.PublishRequest.SerializeToString,
-            core_dot_grpc__api_dot_leveret__pb2.PublishResponse.FromString,
+            leveret__client_dot_proto_dot_leveret__pb2.PublishRequest.SerializeToString,
+            leveret__client_dot_proto_dot_leveret__pb2.PublishResponse.FromString,
             options,
             channel_credentials,
             insecure,
@@ -888,8 +888,8 @@ class Streams:
             request,
             target,
             '/leveret.v1.Streams/Subscribe',
-            core_dot_grpc__api_dot_leveret__pb2.StreamSubscribeRequest.SerializeToString,
-            core_dot_grpc__api_dot_leveret__pb2.StreamMessages.FromString,
+            leveret__client_dot_proto_dot_leveret__pb2.StreamSubscribeRequest.SerializeToString,
+            leveret__client_dot_proto_dot_leveret__pb2.StreamMessages.FromString,
             options,
             channel_credentials,
             insecure,
@@ -915,8 +915,8 @@ class Streams:
             request,
             target,
             '/leveret.v1.Streams/CommitOffset',
-            core_dot_grpc__api_dot_leveret__pb2.CommitOffsetRequest.SerializeToString,
-            core_dot_grpc__api_dot_leveret__pb2.CommitOffsetResponse.FromString,
+            leveret__client_dot_proto_dot_leveret__pb2.CommitOffsetRequest.SerializeToString,
+            leveret__client_dot_proto_dot_leveret__pb2.CommitOffsetResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -148,7 +148,7 @@ class ListChannelsResponse(_message.Message):
     def __init__(self, channels: _Optional[_Iterable[_Union[ChannelInfo, _Mapping]]] = ...) -> None: ...
 
 class PushRequest(_message.Message):
-    __slots__ = ("queue", "topic", "content", "properties", "persistent")
+    __slots__ = ("queue", "topic", "content", "properties", "persistent", "id")
     class PropertiesEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -161,12 +161,14 @@ class PushRequest(_message.Message):
     CONTENT_FIELD_NUMBER: _ClassVar[int]
     PROPERTIES_FIELD_NUMBER: _ClassVar[int]
     PERSISTENT_FIELD_NUMBER: _ClassVar[int]
+    ID_FIELD_NUMBER: _ClassVar[int]
     queue: str
     topic: str
     content: bytes
     properties: _containers.ScalarMap[str, str]
     persistent: bool
-    def __init__(self, queue: _Optional[str] = ..., topic: _Optional[str] = ..., content: _Optional[bytes] = ..., properties: _Optional[_Mapping[str, str]] = ..., persistent: _Optional[bool] = ...) -> None: ...
+    id: str
+    def __init__(self, queue: _Optional[str] = ..., topic: _Optional[str] = ..., content: _Optional[bytes] = ..., properties: _Optional[_Mapping[str, str]] = ..., persistent: _Optional[bool] = ..., id: _Optional[str] = ...) -> None: ...
 
 class PushResponse(_message.Message):
     __slots__ = ("id", "offset")
