@@ -421,7 +421,7 @@ class Connection:
             after = bend + 1
         try:
             exchange, rk, mandatory, immediate = codec.decode_publish(buf, pos + 7, end)
-        except (IndexError, UnicodeDecodeError):
+        except (IndexError, ValueError):  # UnicodeDecodeError, TrailingBytes
             return 0
         self._guard(ch, 60, 40, ch.publish, exchange, rk, mandatory, immediate, bytes(buf[hpos + 19 : hend]), body)
         return after
@@ -505,6 +505,8 @@ class Connection:
                     )
                 try:
                     exchange, rk, mandatory, immediate = codec.decode_publish(payload)
+                except codec.TrailingBytes as exc:
+                    raise FrameError(str(exc)) from exc
                 except (IndexError, UnicodeDecodeError) as exc:
                     raise SyntaxError_(f"basic.publish does not decode: {exc}") from exc
                 self._guard(ch, 60, 40, ch.begin_publish, exchange, rk, mandatory, immediate)
@@ -512,6 +514,8 @@ class Connection:
             if payload[:4] == codec.BASIC_ACK_ID and ch is not None and not ch.closing and ch.publishing is None:
                 try:
                     tag, multiple = codec.decode_ack(payload)
+                except codec.TrailingBytes as exc:
+                    raise FrameError(str(exc)) from exc
                 except Exception as exc:  # struct.error: truncated arguments
                     raise SyntaxError_(f"basic.ack does not decode: {exc}") from exc
                 self._guard(ch, 60, 80, ch.ack, tag, multiple)
@@ -564,6 +568,8 @@ class Connection:
     def _decode(self, payload: bytes) -> Method:
         try:
             return codec.decode_method(payload)
+        except codec.TrailingBytes as exc:
+            raise FrameError(str(exc)) from exc  # RabbitMQ: 501, the connection closes
         except codec.DecodeError as exc:
             text = str(exc)
             if text.startswith("unknown method"):
