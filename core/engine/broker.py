@@ -51,6 +51,9 @@ class User:
     password_hash: bytes
     tags: tuple[str, ...] = ()
     vhosts: set[str] = field(default_factory=set)  # empty: no vhost at all
+    # Kept in stored records for their schema only; never consulted: which users may log in from
+    # loopback only is the node's list (Broker.loopback_users, RabbitMQ's loopback_users), so a
+    # re-created or imported guest is loopback-only too, and a renamed default user is not.
     loopback_only: bool = False
     # The regexes set with the management API (a vhost in ``vhosts`` without an entry
     # here has ".*" for all three); topic permissions: vhost -> exchange -> (write, read).
@@ -129,8 +132,12 @@ class Broker:
         default_user: tuple[str, str] | None = ("guest", "guest"),
         scheduler: Scheduler | None = None,
         coordinator: Coordinator | None = None,
+        loopback_users: frozenset[str] = frozenset({"guest"}),
     ) -> None:
         self.node_id = node_id
+        # RabbitMQ's loopback_users: these names log in from loopback addresses only, whatever
+        # their record says or wherever it came from (created, re-created, imported).
+        self.loopback_users = loopback_users
         self.scheduler: Scheduler = scheduler or AsyncioScheduler()
         self.vhosts: dict[str, VirtualHost] = {}
         self.users: dict[str, User] = {}
@@ -172,8 +179,9 @@ class Broker:
         self.add_vhost("/")
         if default_user is not None:
             name, password = default_user
-            # As in RabbitMQ, the well-known default account only works from loopback.
-            self.add_user(name, password, tags=("administrator",), vhosts={"/"}, loopback_only=True)
+            # Loopback-only when its name is in loopback_users (guest by default), as RabbitMQ's
+            # default user: a container's RABBITMQ_DEFAULT_USER=admin logs in from anywhere.
+            self.add_user(name, password, tags=("administrator",), vhosts={"/"})
 
     @property
     def memory_alarm(self) -> bool:
@@ -269,7 +277,7 @@ class Broker:
         if user is None or not ok:
             self.login_throttle.failed(peer_host)
             raise AccessRefused("Login was refused using authentication mechanism PLAIN")
-        if user.loopback_only and not is_loopback(peer_host):
+        if username in self.loopback_users and not is_loopback(peer_host):
             raise AccessRefused(f"user '{username}' can only connect via localhost")
         if rehash:
             user.salt, user.password_hash = passwords.new_record(password)
@@ -284,7 +292,7 @@ class Broker:
         if user is None:
             self.login_throttle.failed(peer_host)
             raise AccessRefused(f"no user '{username}' for the client certificate's name (EXTERNAL)")
-        if user.loopback_only and not is_loopback(peer_host):
+        if username in self.loopback_users and not is_loopback(peer_host):
             raise AccessRefused(f"user '{username}' can only connect via localhost")
         return user
 

@@ -62,7 +62,7 @@ class Node:
         # In a cluster the etcd coordinator replaces it once it has joined (start()).
         self.broker = Broker(
             node_id=config.resolved_node_id, default_user=(config.default_user, config.default_pass),
-            coordinator=self.local,
+            coordinator=self.local, loopback_users=config.loopback_user_names,
         )
         self.local.attach(self.broker)
         self.local.region = config.region
