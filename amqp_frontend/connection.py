@@ -72,6 +72,9 @@ class ServerSettings:
     # Stop handing messages to this connection's consumers past this many
     # bytes waiting to be written; resumed once the socket drains.
     write_high_water: int = 4 * 1024 * 1024
+    # Bytes of message bodies a connection may hold unfinished, all its channels together
+    # (0: max_message_size, so one message of the largest size always fits).
+    max_partial_body_bytes: int = 0
     product: str = "Leveret"
     version: str = "0.1.0"
     server_properties_extra: dict[str, Any] = field(default_factory=dict)
@@ -150,6 +153,9 @@ class Connection:
         self._output_signalled = False
         self.close_reason = ""
         self.has_published = False
+        # Bodies received on this connection's channels and not yet complete (Channel.content_body).
+        self.partial_bytes = 0
+        self.max_partial_bytes = self.settings.max_partial_body_bytes or self.settings.max_message_size
         self.blocked = False  # reading paused by the memory alarm
         # Flow control (core/engine/flow.py): queues this connection published to that are
         # behind their consumers; while any holds it, no input is processed or read.
@@ -173,10 +179,7 @@ class Connection:
     def held_bytes(self) -> int:
         """Memory this connection holds for messages: its input not yet parsed, output not yet
         handed to the transport, and content bodies partly received (the memory alarm counts them)."""
-        held = len(self._buf) + self.out_bytes
-        for ch in self.channels.values():
-            held += ch.partial_body_bytes
-        return held
+        return len(self._buf) + self.out_bytes + self.partial_bytes
 
     # ------------------------------------------------------------ output
     @property
@@ -265,8 +268,9 @@ class Connection:
 
     @property
     def wants_read(self) -> bool:
-        """Should the I/O layer read the socket? Not while held, nor while input is buffered."""
-        return not self._held_by and not self.input_pending
+        """Should the I/O layer read the socket? Not while held, nor while input is buffered, nor
+        while the transport cannot take our output (a client that does not read what it asks for)."""
+        return not self._held_by and not self.input_pending and not self.transport_paused
 
     def hold(self, gate: flow.QueueFlow) -> None:
         if not self._held_by:
@@ -345,11 +349,16 @@ class Connection:
         frame_max = self.frame_max
         held = self._held_by
         budget = READ_BUDGET
+        high_water = self.settings.write_high_water
         try:
             while n - pos >= 8 and not self.should_close and not self.suspended:
-                if held or not budget:
-                    # Held by flow control (the I/O layer resumes us), or this turn's
-                    # share of the loop is used up: the rest waits, buffered.
+                if held or not budget or self.out_bytes > high_water or self.transport_paused:
+                    # Held by flow control (the I/O layer resumes us), or this turn's share
+                    # of the loop is used up, or our output is over its high-water mark: the
+                    # rest waits, buffered. Every method's output counts, not only deliveries:
+                    # 150 basic.get + reject pairs for a 4 MiB message (6,000 bytes in) made
+                    # 600 MiB of output for a client that never read it. The I/O layer goes
+                    # on once the transport drains (resume_writing).
                     self.input_pending = not held
                     break
                 budget -= 1
@@ -874,7 +883,7 @@ class Connection:
         hb = self.heartbeat
         if hb <= 0:
             return
-        if self._held_by or self.blocked:
+        if self._held_by or self.blocked or self.transport_paused:
             # We are not reading this client: its silence is ours, not a dead peer.
             self.last_received = now
         if now - self.last_received > 2 * hb:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import socket
 import ssl
 import time
 from collections.abc import Awaitable, Callable
@@ -62,12 +63,14 @@ class AMQPProtocol(asyncio.Protocol):
             self.block()
         elif self.server.broker.forward_congested and conn.has_published and not self._flow_paused:
             self.pause_for_flow()
-        if conn.input_pending:
-            # This read held more than one turn's work (READ_BUDGET): the rest is handled
-            # next turn, after the other connections' input (acks, consumes, heartbeats).
+        self._flush()
+        if conn.input_pending and not conn.transport_paused:
+            # This read held more than one turn's work (READ_BUDGET), or output over the
+            # high-water mark that the flush handed to the transport: the rest is handled next
+            # turn, after the other connections' input (acks, consumes, heartbeats). While the
+            # transport is paused, resume_writing goes on instead.
             self._schedule_continue()
         self._update_reading()
-        self._flush()
 
     def _schedule_continue(self) -> None:
         if not self._continue_scheduled:
@@ -78,7 +81,7 @@ class AMQPProtocol(asyncio.Protocol):
         """Handle input left buffered by the read budget or by flow control, then read again."""
         self._continue_scheduled = False
         conn = self.conn
-        if conn is None or self.transport is None:
+        if conn is None or self.transport is None or self._lingering:
             return
         conn.receive_data(b"")
         self._after_input(conn)
@@ -186,11 +189,15 @@ class AMQPProtocol(asyncio.Protocol):
     def pause_writing(self) -> None:
         if self.conn is not None:
             self.conn.set_transport_paused(True)
+            if not self._lingering:
+                self._update_reading()  # no more input while the client does not take our output
 
     def resume_writing(self) -> None:
         if self.conn is not None:
             self.conn.set_transport_paused(False)
             self._schedule_flush()
+            # Input left while our output was over the high-water mark, and reading itself.
+            self._schedule_continue()
 
     def connection_lost(self, exc: Exception | None) -> None:
         self.server.connections.discard(self)
@@ -205,8 +212,32 @@ class AMQPProtocol(asyncio.Protocol):
         conn = self.conn
         if conn is None:
             return
+        if not self._reading and not self._lingering and self.transport is not None and _peer_gone(self.transport):
+            # Not reading (memory alarm, flow, output held): a peer that left would go unnoticed
+            # and its connection (a partial body, buffers) held for ever.
+            log.info("peer of a paused connection is gone", extra={"peer": conn._peer_text()})
+            self.transport.abort()
+            return
         conn.tick(now)
         self._flush()
+
+
+# Linux TCP states (include/net/tcp_states.h): the peer sent FIN, or the connection was reset.
+_TCP_CLOSE, _TCP_CLOSE_WAIT = 7, 8
+
+
+def _peer_gone(transport: asyncio.BaseTransport) -> bool:
+    """Has the peer closed or reset a connection we are not reading? Its unread input (a publisher
+    blocked mid-body) hides the EOF from a read, so ask the kernel for the TCP state."""
+    sock = transport.get_extra_info("socket")
+    tcp_info = getattr(socket, "TCP_INFO", None)
+    if sock is None or tcp_info is None:
+        return False
+    try:
+        state = sock.getsockopt(socket.IPPROTO_TCP, tcp_info, 8)[0]
+    except OSError:
+        return True
+    return state in (_TCP_CLOSE, _TCP_CLOSE_WAIT)
 
 
 class AMQPServer:
