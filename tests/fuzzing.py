@@ -16,8 +16,8 @@ from collections.abc import Iterator
 
 from pamqp import commands, frame
 from pamqp.base import Frame as Method
-from pamqp.common import FieldTable
 from pamqp.body import ContentBody
+from pamqp.common import FieldTable
 from pamqp.header import ContentHeader
 
 from core.engine.broker import Broker
