@@ -743,30 +743,73 @@ class Connection:
                 self.user = self.broker.authenticate_external(self.peer_identity, host)
             else:
                 username, password = _credentials(mechanism, response)
-                self.user = self.broker.authenticate(username, password, host)
+                if self.run_async is not None:
+                    # The check waits for the address's turn and delay, then runs the KDF in
+                    # the broker's threads (Broker.login): never on the event loop. Nothing
+                    # else this client sends is processed meanwhile (suspended).
+                    self.suspended += 1
+                    self.run_async(self.broker.login(username, password, host),
+                                   lambda user, error: self._login_done(mechanism, user, error))
+                    return
+                self.user = self.broker.authenticate(username, password, host)  # sans-IO tests
         except AccessRefused as exc:
-            log.warning(
-                "login refused", extra={"peer": self._peer_text(), "mechanism": mechanism, "reason": exc.text}
-            )
-            if mechanism not in ("PLAIN", "AMQPLAIN", "EXTERNAL") or (mechanism == "EXTERNAL"
-                                                                       and not self.peer_identity):
-                offered = "PLAIN, AMQPLAIN or EXTERNAL" if self.peer_identity else "PLAIN or AMQPLAIN"
-                exc = AccessRefused(f"unsupported authentication mechanism '{mechanism}'; use {offered}")
-            elif "localhost" not in exc.text:
-                exc = AccessRefused(
-                    f"Login was refused using authentication mechanism {mechanism}. "
-                    "For details see the broker logfile."
-                )
-            # A guesser waits longer for each refusal (core/engine/login_throttle.py); the
-            # state stays AWAIT_START_OK meanwhile, so nothing else it sends is processed.
-            delay = self.broker.login_throttle.delay(host)
-            refusal = exc
-            if delay > 0:
-                self.suspended += 1
-                self.broker.scheduler.call_later(delay, lambda: self._refuse_login(refusal))
-            else:
-                self._refuse_login(refusal)
+            self._login_refused(mechanism, exc)
             return
+        self._logged_in()
+
+    def _login_done(self, mechanism: str, user: Any, error: BaseException | None) -> None:
+        self.suspended -= 1
+        if self.state is State.CLOSED or self.should_close:
+            return
+        self._in_receive = True
+        try:
+            if isinstance(error, AccessRefused):
+                self._login_refused(mechanism, error, throttled=True)
+            elif error is not None:
+                log.error("login failed", exc_info=error, extra={"peer": self._peer_text()})
+                self.close_with_error(InternalError("internal error; see the broker log"))
+            else:
+                self.user = user
+                self._logged_in()
+        finally:
+            self._in_receive = False
+        if not self.suspended and self._buf and not self.should_close:
+            self.receive_data(b"")
+            if self.input_pending:
+                self.on_input_ready()
+        self.on_output()
+
+    def _login_refused(self, mechanism: str, exc: AccessRefused, throttled: bool = False) -> None:
+        log.warning(
+            "login refused", extra={"peer": self._peer_text(), "mechanism": mechanism, "reason": exc.text}
+        )
+        if mechanism not in ("PLAIN", "AMQPLAIN", "EXTERNAL") or (mechanism == "EXTERNAL"
+                                                                   and not self.peer_identity):
+            offered = "PLAIN, AMQPLAIN or EXTERNAL" if self.peer_identity else "PLAIN or AMQPLAIN"
+            exc = AccessRefused(f"unsupported authentication mechanism '{mechanism}'; use {offered}")
+        elif "localhost" not in exc.text:
+            exc = AccessRefused(
+                f"Login was refused using authentication mechanism {mechanism}. "
+                "For details see the broker logfile."
+            )
+        # A guesser waits longer for each answer (core/engine/login_throttle.py): Broker.login
+        # waited before the check; a refusal without one (a bad mechanism, the sans-IO path)
+        # waits here. The state stays AWAIT_START_OK, so nothing else it sends is processed.
+        delay = 0.0 if throttled else self.broker.login_throttle.delay(self.peer[0] if self.peer else None)
+        refusal = exc
+        if delay > 0:
+            self.suspended += 1
+
+            def later() -> None:
+                self.suspended -= 1
+                self._refuse_login(refusal)
+
+            self.broker.scheduler.call_later(delay, later)
+        else:
+            self._refuse_login(refusal)
+
+    def _logged_in(self) -> None:
+        assert self.user is not None
         self.username = self.user.name
         s = self.settings
         self.state = State.AWAIT_TUNE_OK
@@ -777,8 +820,6 @@ class Connection:
     def _refuse_login(self, exc: AccessRefused) -> None:
         if self.state is State.CLOSED or self.should_close:
             return
-        if self.suspended:
-            self.suspended -= 1
         if self.client_capability("authentication_failure_close"):
             self.close_with_error(exc)
         else:

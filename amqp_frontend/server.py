@@ -16,8 +16,10 @@ from amqp_frontend.connection import Connection, ServerSettings, State
 from amqp_frontend.tls_accept import TLSListener, peer_identity
 from core.engine.alarms import MEMORY
 from core.engine.broker import Broker
+from core.model.ratelog import RateLimitedLog
 
 log = logging.getLogger("leveret.amqp")
+_refusals = RateLimitedLog(log)
 
 
 class AMQPProtocol(asyncio.Protocol):
@@ -32,11 +34,22 @@ class AMQPProtocol(asyncio.Protocol):
         self._loop = asyncio.get_running_loop()
         self._linger: asyncio.TimerHandle | None = None
         self._lingering = False
+        # The address while this connection has not logged in (LoginThrottle.handshake_started).
+        self._handshaking: str | None = None
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         # uvloop's transport is not an asyncio.Transport subclass, so no isinstance check.
         self.transport = tr = transport  # type: ignore[assignment]
         peer = transport.get_extra_info("peername")
+        host = peer[0] if peer else None
+        if not self.server.broker.login_throttle.handshake_started(host):
+            # Too many connections of this address have not logged in: each holds a socket and
+            # buffers, and each is a password guess waiting its turn.
+            _refusals.warning(str(host), "connection refused: too many handshakes from this address",
+                              limit=self.server.broker.login_throttle.handshakes_per_host)
+            tr.abort()  # type: ignore[attr-defined]
+            return
+        self._handshaking = host
         # On the AMQPS listener: the name in the client certificate TLS verified, for SASL EXTERNAL.
         tls = transport.get_extra_info("ssl_object")
         identity = peer_identity(tls.getpeercert()) if tls is not None else None
@@ -54,7 +67,8 @@ class AMQPProtocol(asyncio.Protocol):
         if self._lingering:
             return  # closed: what the client still sends is read and dropped
         conn = self.conn
-        assert conn is not None
+        if conn is None:
+            return  # refused in connection_made
         conn.receive_data(data)
         self._after_input(conn)
 
@@ -154,6 +168,8 @@ class AMQPProtocol(asyncio.Protocol):
         transport = self.transport
         if conn is None or transport is None or self._lingering:
             return
+        if self._handshaking is not None and conn.user is not None:
+            self._end_handshake()
         data = conn.data_to_send()
         if data and not transport.is_closing():
             transport.write(data)
@@ -199,7 +215,15 @@ class AMQPProtocol(asyncio.Protocol):
             # Input left while our output was over the high-water mark, and reading itself.
             self._schedule_continue()
 
+    def _end_handshake(self) -> None:
+        self.server.broker.login_throttle.handshake_ended(self._handshaking)
+        self._handshaking = None
+
     def connection_lost(self, exc: Exception | None) -> None:
+        if self.conn is None:
+            return  # refused in connection_made: never counted
+        if self._handshaking is not None:
+            self._end_handshake()
         self.server.connections.discard(self)
         self.server.broker.stats.connections_closed += 1
         if self.conn is not None:

@@ -171,3 +171,145 @@ def test_the_memory_alarm_stops_reading_a_connection_with_an_unfinished_body(
     attacker.close_socket()
     assert "memory high watermark reached" in low_watermark_node.stderr_tail(20000)
     assert sent < 60 * MiB, f"the node kept reading: {sent / MiB:.0f} MiB of an unfinished body"
+
+
+# -- item 12: password checks do not run on the event loop -----------------------------------
+def _wrong_login(node: NodeProcess, password: str) -> str:
+    """One AMQP login with ``password`` for guest: 'ok', 'refused' or how it ended."""
+    try:
+        c = RawAMQP("127.0.0.1", node.amqp_port, timeout=30)
+    except OSError as exc:
+        return type(exc).__name__
+    try:
+        c.handshake(password=password)
+        return "ok"
+    except Exception as exc:  # noqa: BLE001 - the node's close (403), or its refusal to talk at all
+        return "refused" if "403" in repr(exc) or "Close" in repr(exc) else type(exc).__name__
+    finally:
+        c.close_socket()
+
+
+# 100 connections that each send a wrong PLAIN login at once and wait for the answer: in a process of
+# its own, so that the bystander's round trips measure the node, not this process's threads.
+_ATTACK = """
+import selectors, socket, sys, time
+from pamqp import commands, frame
+port, count = int(sys.argv[1]), int(sys.argv[2])
+socks = []
+for i in range(count):  # every connection first, then every login at once: they arrive together
+    s = socket.create_connection(("127.0.0.1", port))
+    s.sendall(b"AMQP\\x00\\x00\\x09\\x01")
+    socks.append(s)
+time.sleep(0.5)
+sel = selectors.DefaultSelector()
+for i, s in enumerate(socks):
+    ok = commands.Connection.StartOk(client_properties={"capabilities": {"authentication_failure_close": True}},
+                                     mechanism="PLAIN", response=f"\\0guest\\0guess {i}")
+    try:
+        s.sendall(frame.marshal(ok, 0))
+    except OSError:
+        s.close()
+        continue
+    s.setblocking(False)
+    sel.register(s, selectors.EVENT_READ)
+open_ = len(sel.get_map())
+while open_:
+    for key, _ in sel.select(timeout=30) or [(None, None)]:
+        if key is None:
+            sys.exit("no answer in 30 s")
+        try:
+            data = key.fileobj.recv(65536)
+        except OSError:
+            data = b""
+        if not data:
+            sel.unregister(key.fileobj)
+            key.fileobj.close()
+            open_ -= 1
+"""
+
+
+def test_a_hundred_parallel_wrong_logins_do_not_stall_another_tenant(node: NodeProcess) -> None:
+    """100 parallel wrong logins stalled another tenant for 2.3 s (~25 ms of argon2 each on the loop)."""
+    import subprocess
+    import sys
+
+    bystander = Bystander(node)
+    bystander.start()
+    time.sleep(0.3)
+    attack = subprocess.Popen([sys.executable, "-c", _ATTACK, str(node.amqp_port), "100"])
+    try:
+        attack.wait(60)
+    finally:
+        attack.kill()
+    time.sleep(0.2)
+    worst = bystander.finish()
+    print(f"bystander: {len(bystander.times)} round trips, worst {worst * 1000:.0f} ms")
+    assert len(bystander.times) > 20, len(bystander.times)
+    assert worst < 0.1, f"the bystander's worst round trip was {worst * 1000:.0f} ms"
+
+
+def _pika_login(node: NodeProcess, password: str) -> str:
+    import pika
+    import pika.exceptions
+
+    params = pika.ConnectionParameters("127.0.0.1", node.amqp_port,
+                                       credentials=pika.PlainCredentials("guest", password),
+                                       connection_attempts=1, socket_timeout=30, stack_timeout=60)
+    try:
+        pika.BlockingConnection(params).close()
+        return "ok"
+    except pika.exceptions.ProbableAuthenticationError:
+        return "refused"
+    except Exception as exc:  # noqa: BLE001 - reported, not raised
+        return type(exc).__name__
+
+
+def test_after_parallel_guesses_the_right_password_is_not_answered_at_once(node: NodeProcess) -> None:
+    """Eight guesses in parallel, then the right password: it was answered at once (only the refusals
+    waited), so a parallel guesser found it in 1.8 s. Now its check waits the address's delay (6.4 s
+    after eight failures); tests/test_login_checks.py shows parallel guesses taking turns."""
+    results: list[str] = []
+    threads = [threading.Thread(target=lambda i=i: results.append(_pika_login(node, f"guess {i}")), daemon=True)
+               for i in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    assert results.count("refused") == 8, results
+    started = time.monotonic()
+    assert _pika_login(node, "guest") == "ok"
+    assert time.monotonic() - started > 3.0, "the right password was checked at once"
+
+
+def test_http_basic_auth_is_throttled_like_amqp(node: NodeProcess) -> None:
+    """35 guesses/s against argon2 users and 6,763/s against an imported RabbitMQ record, unthrottled."""
+    import base64
+    import urllib.error
+    import urllib.request
+
+    def status(password: str) -> int:
+        token = base64.b64encode(f"guest:{password}".encode()).decode()
+        req = urllib.request.Request(f"http://127.0.0.1:{node.management_port}/api/whoami",
+                                     headers={"Authorization": f"Basic {token}"})
+        try:
+            with urllib.request.urlopen(req, timeout=30) as resp:
+                return int(resp.status)
+        except urllib.error.HTTPError as exc:
+            return exc.code
+
+    for _ in range(100):  # the HTTP listener starts a moment after the AMQP one
+        try:
+            urllib.request.urlopen(f"http://127.0.0.1:{node.management_port}/api/overview", timeout=5)
+        except urllib.error.HTTPError:
+            break  # it answers (401 without credentials)
+        except OSError:
+            time.sleep(0.1)
+    deadline = time.monotonic() + 3.0
+    guesses = 0
+    while time.monotonic() < deadline:
+        assert status(f"guess {guesses}") == 401
+        guesses += 1
+    assert guesses <= 10, f"{guesses} HTTP guesses answered in 3 s"
+    started = time.monotonic()
+    assert status("guest") == 200
+    assert time.monotonic() - started > 1.0  # the check itself waited, the right password's too
