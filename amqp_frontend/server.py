@@ -103,8 +103,8 @@ class AMQPProtocol(asyncio.Protocol):
     def _update_reading(self) -> None:
         """Read the socket unless the memory alarm, forwarding congestion or flow control say not."""
         conn, transport = self.conn, self.transport
-        if conn is None or transport is None:
-            return
+        if conn is None or transport is None or self._lingering:
+            return  # a lingering close drains whatever comes (_start_linger)
         want = conn.wants_read and not conn.blocked and not self._flow_paused
         if want != self._reading:
             self._reading = want
