@@ -32,6 +32,7 @@ from core.model.errors import (
     NotFound,
     NotImplementedFeature,
     PreconditionFailed,
+    ResourceError,
     UnexpectedFrame,
 )
 from core.model.message import Message, QueuedMessage
@@ -169,6 +170,12 @@ class Channel:
     def begin_publish(self, exchange: str, routing_key: str, mandatory: bool, immediate: bool) -> None:
         if immediate:
             raise NotImplementedFeature("immediate=true")
+        # A body may be large and arrive slowly: the memory alarm blocks this connection from
+        # now on (the I/O layer reads has_published), and a publish without write permission is
+        # refused before its body is read (one dict lookup; _route checks again, the same way).
+        self.conn.has_published = True
+        if not self.grants.write.get(exchange or access.DEFAULT_EXCHANGE, False):
+            access.publish(self.grants, exchange)
         self.publishing = (exchange, routing_key, mandatory)
         self.awaiting_header = True
 
@@ -223,10 +230,12 @@ class Channel:
             raise UnexpectedFrame(
                 f"content body of {n} bytes exceeds the {self._body_size} bytes declared in its header"
             )
+        conn = self.conn
         if n == self._body_size:
             if self._body_parts:
                 self._body_parts.append(payload)
                 body = b"".join(self._body_parts)
+                conn.partial_bytes -= self._body_received
                 self._body_parts = []
             else:
                 body = payload
@@ -234,6 +243,18 @@ class Channel:
         else:
             self._body_parts.append(payload)
             self._body_received = n
+            conn.partial_bytes += len(payload)
+            if conn.partial_bytes > conn.max_partial_bytes:
+                # Six channels each announcing 128 MiB and sending 100 MiB took a node to
+                # 680 MiB: a connection's unfinished bodies are bounded together.
+                raise ResourceError(f"unfinished message bodies on this connection exceed "
+                                    f"{conn.max_partial_bytes} bytes")
+
+    def _drop_partial_body(self) -> None:
+        if self._body_parts:
+            self.conn.partial_bytes -= self._body_received
+            self._body_parts = []
+            self._body_received = 0
 
     def _finish_publish(self, body: bytes) -> None:
         assert self.publishing is not None and self._summary is not None
@@ -454,6 +475,7 @@ class Channel:
         """Channel is closing: cancel its consumers and requeue what it holds unacked."""
         self.closing = True
         self.publishing = None
+        self._drop_partial_body()
         if self.tx is not None:
             self.tx.rollback(self)
         if self.reply_token is not None:

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import struct
 
-from pamqp import commands
+from pamqp import commands, decode
 from pamqp import frame as pamqp_frame
 from pamqp.base import Frame as Method
 from pamqp.exceptions import UnmarshalingException
@@ -53,6 +53,10 @@ class DecodeError(ValueError):
     """A method frame whose arguments do not decode."""
 
 
+class TrailingBytes(DecodeError):
+    """A method frame with bytes left over after its arguments: RabbitMQ closes with 501 FRAME_ERROR."""
+
+
 def decode_method(payload: bytes) -> Method:
     """A method frame's payload (class, method, arguments) as a pamqp object."""
     if len(payload) < 4:
@@ -63,7 +67,7 @@ def decode_method(payload: bytes) -> Method:
         raise DecodeError(f"unknown method {index >> 16}.{index & 0xFFFF}")
     method = cls()
     try:
-        method.unmarshal(payload[4:])
+        left = _unmarshal(method, payload[4:])
     except (struct.error, ValueError, UnicodeDecodeError, UnmarshalingException, IndexError) as exc:
         raise DecodeError(f"cannot decode {method.name}: {exc}") from exc
     except (RecursionError, OverflowError, OSError, TypeError, KeyError, AttributeError) as exc:
@@ -71,10 +75,33 @@ def decode_method(payload: bytes) -> Method:
         # limit, timestamps out of range (OverflowError, OSError EOVERFLOW),
         # malformed values. All are the client's malformed frame.
         raise DecodeError(f"cannot decode {method.name}: {type(exc).__name__}: {exc}") from exc
+    if left:
+        raise TrailingBytes(f"{method.name} frame has {left} bytes after its arguments")
     for name in _TABLE_ARGUMENTS.get(index, ()):
         if table_depth(getattr(method, name, None)) > MAX_TABLE_DEPTH:
             raise DecodeError(f"cannot decode {method.name}: '{name}' nests deeper than {MAX_TABLE_DEPTH}")
     return method
+
+
+def _unmarshal(method: Method, data: bytes) -> int:
+    """pamqp's ``Frame.unmarshal``, step for step, that also says how many bytes were left over
+    (pamqp ignores them; RabbitMQ refuses the frame)."""
+    offset, processing_bitset = 0, False
+    for argument in method.__slots__:
+        data_type = method.amqp_type(argument)
+        if processing_bitset and (data_type != "bit" or offset == 8):
+            data = data[1:]
+            offset = 0
+            processing_bitset = False
+        consumed, value = decode.by_type(data, data_type, offset)
+        if data_type == "bit":
+            offset += 1
+            processing_bitset = True
+            consumed = 0
+        setattr(method, argument, value)
+        if consumed:
+            data = data[consumed:]
+    return len(data) - 1 if processing_bitset else len(data)  # the last bits' byte was read, not consumed
 
 
 # The methods with field-table arguments a client sends, by index.
@@ -147,11 +174,15 @@ def decode_publish(payload: bytes | bytearray, pos: int = 0, end: int = -1) -> t
     pos += 1 + n
     if pos >= end:
         raise IndexError("basic.publish arguments are truncated")
+    if pos + 1 != end:
+        raise TrailingBytes(f"basic.publish frame has {end - pos - 1} bytes after its arguments")
     bits = payload[pos]
     return exchange, routing_key, bool(bits & 1), bool(bits & 2)
 
 
 def decode_ack(payload: bytes) -> tuple[int, bool]:
+    if len(payload) > 4 + _ack.size:
+        raise TrailingBytes(f"basic.ack frame has {len(payload) - 4 - _ack.size} bytes after its arguments")
     tag, bits = _ack.unpack_from(payload, 4)
     return tag, bool(bits & 1)
 

@@ -72,6 +72,9 @@ class ServerSettings:
     # Stop handing messages to this connection's consumers past this many
     # bytes waiting to be written; resumed once the socket drains.
     write_high_water: int = 4 * 1024 * 1024
+    # Bytes of message bodies a connection may hold unfinished, all its channels together
+    # (0: max_message_size, so one message of the largest size always fits).
+    max_partial_body_bytes: int = 0
     product: str = "Leveret"
     version: str = "0.1.0"
     server_properties_extra: dict[str, Any] = field(default_factory=dict)
@@ -150,6 +153,9 @@ class Connection:
         self._output_signalled = False
         self.close_reason = ""
         self.has_published = False
+        # Bodies received on this connection's channels and not yet complete (Channel.content_body).
+        self.partial_bytes = 0
+        self.max_partial_bytes = self.settings.max_partial_body_bytes or self.settings.max_message_size
         self.blocked = False  # reading paused by the memory alarm
         # Flow control (core/engine/flow.py): queues this connection published to that are
         # behind their consumers; while any holds it, no input is processed or read.
@@ -173,10 +179,7 @@ class Connection:
     def held_bytes(self) -> int:
         """Memory this connection holds for messages: its input not yet parsed, output not yet
         handed to the transport, and content bodies partly received (the memory alarm counts them)."""
-        held = len(self._buf) + self.out_bytes
-        for ch in self.channels.values():
-            held += ch.partial_body_bytes
-        return held
+        return len(self._buf) + self.out_bytes + self.partial_bytes
 
     # ------------------------------------------------------------ output
     @property
@@ -265,8 +268,9 @@ class Connection:
 
     @property
     def wants_read(self) -> bool:
-        """Should the I/O layer read the socket? Not while held, nor while input is buffered."""
-        return not self._held_by and not self.input_pending
+        """Should the I/O layer read the socket? Not while held, nor while input is buffered, nor
+        while the transport cannot take our output (a client that does not read what it asks for)."""
+        return not self._held_by and not self.input_pending and not self.transport_paused
 
     def hold(self, gate: flow.QueueFlow) -> None:
         if not self._held_by:
@@ -345,11 +349,16 @@ class Connection:
         frame_max = self.frame_max
         held = self._held_by
         budget = READ_BUDGET
+        high_water = self.settings.write_high_water
         try:
             while n - pos >= 8 and not self.should_close and not self.suspended:
-                if held or not budget:
-                    # Held by flow control (the I/O layer resumes us), or this turn's
-                    # share of the loop is used up: the rest waits, buffered.
+                if held or not budget or self.out_bytes > high_water or self.transport_paused:
+                    # Held by flow control (the I/O layer resumes us), or this turn's share
+                    # of the loop is used up, or our output is over its high-water mark: the
+                    # rest waits, buffered. Every method's output counts, not only deliveries:
+                    # 150 basic.get + reject pairs for a 4 MiB message (6,000 bytes in) made
+                    # 600 MiB of output for a client that never read it. The I/O layer goes
+                    # on once the transport drains (resume_writing).
                     self.input_pending = not held
                     break
                 budget -= 1
@@ -421,7 +430,7 @@ class Connection:
             after = bend + 1
         try:
             exchange, rk, mandatory, immediate = codec.decode_publish(buf, pos + 7, end)
-        except (IndexError, UnicodeDecodeError):
+        except (IndexError, ValueError):  # UnicodeDecodeError, TrailingBytes
             return 0
         self._guard(ch, 60, 40, ch.publish, exchange, rk, mandatory, immediate, bytes(buf[hpos + 19 : hend]), body)
         return after
@@ -505,6 +514,8 @@ class Connection:
                     )
                 try:
                     exchange, rk, mandatory, immediate = codec.decode_publish(payload)
+                except codec.TrailingBytes as exc:
+                    raise FrameError(str(exc)) from exc
                 except (IndexError, UnicodeDecodeError) as exc:
                     raise SyntaxError_(f"basic.publish does not decode: {exc}") from exc
                 self._guard(ch, 60, 40, ch.begin_publish, exchange, rk, mandatory, immediate)
@@ -512,6 +523,8 @@ class Connection:
             if payload[:4] == codec.BASIC_ACK_ID and ch is not None and not ch.closing and ch.publishing is None:
                 try:
                     tag, multiple = codec.decode_ack(payload)
+                except codec.TrailingBytes as exc:
+                    raise FrameError(str(exc)) from exc
                 except Exception as exc:  # struct.error: truncated arguments
                     raise SyntaxError_(f"basic.ack does not decode: {exc}") from exc
                 self._guard(ch, 60, 80, ch.ack, tag, multiple)
@@ -564,6 +577,8 @@ class Connection:
     def _decode(self, payload: bytes) -> Method:
         try:
             return codec.decode_method(payload)
+        except codec.TrailingBytes as exc:
+            raise FrameError(str(exc)) from exc  # RabbitMQ: 501, the connection closes
         except codec.DecodeError as exc:
             text = str(exc)
             if text.startswith("unknown method"):
@@ -728,30 +743,73 @@ class Connection:
                 self.user = self.broker.authenticate_external(self.peer_identity, host)
             else:
                 username, password = _credentials(mechanism, response)
-                self.user = self.broker.authenticate(username, password, host)
+                if self.run_async is not None:
+                    # The check waits for the address's turn and delay, then runs the KDF in
+                    # the broker's threads (Broker.login): never on the event loop. Nothing
+                    # else this client sends is processed meanwhile (suspended).
+                    self.suspended += 1
+                    self.run_async(self.broker.login(username, password, host),
+                                   lambda user, error: self._login_done(mechanism, user, error))
+                    return
+                self.user = self.broker.authenticate(username, password, host)  # sans-IO tests
         except AccessRefused as exc:
-            log.warning(
-                "login refused", extra={"peer": self._peer_text(), "mechanism": mechanism, "reason": exc.text}
-            )
-            if mechanism not in ("PLAIN", "AMQPLAIN", "EXTERNAL") or (mechanism == "EXTERNAL"
-                                                                       and not self.peer_identity):
-                offered = "PLAIN, AMQPLAIN or EXTERNAL" if self.peer_identity else "PLAIN or AMQPLAIN"
-                exc = AccessRefused(f"unsupported authentication mechanism '{mechanism}'; use {offered}")
-            elif "localhost" not in exc.text:
-                exc = AccessRefused(
-                    f"Login was refused using authentication mechanism {mechanism}. "
-                    "For details see the broker logfile."
-                )
-            # A guesser waits longer for each refusal (core/engine/login_throttle.py); the
-            # state stays AWAIT_START_OK meanwhile, so nothing else it sends is processed.
-            delay = self.broker.login_throttle.delay(host)
-            refusal = exc
-            if delay > 0:
-                self.suspended += 1
-                self.broker.scheduler.call_later(delay, lambda: self._refuse_login(refusal))
-            else:
-                self._refuse_login(refusal)
+            self._login_refused(mechanism, exc)
             return
+        self._logged_in()
+
+    def _login_done(self, mechanism: str, user: Any, error: BaseException | None) -> None:
+        self.suspended -= 1
+        if self.state is State.CLOSED or self.should_close:
+            return
+        self._in_receive = True
+        try:
+            if isinstance(error, AccessRefused):
+                self._login_refused(mechanism, error, throttled=True)
+            elif error is not None:
+                log.error("login failed", exc_info=error, extra={"peer": self._peer_text()})
+                self.close_with_error(InternalError("internal error; see the broker log"))
+            else:
+                self.user = user
+                self._logged_in()
+        finally:
+            self._in_receive = False
+        if not self.suspended and self._buf and not self.should_close:
+            self.receive_data(b"")
+            if self.input_pending:
+                self.on_input_ready()
+        self.on_output()
+
+    def _login_refused(self, mechanism: str, exc: AccessRefused, throttled: bool = False) -> None:
+        log.warning(
+            "login refused", extra={"peer": self._peer_text(), "mechanism": mechanism, "reason": exc.text}
+        )
+        if mechanism not in ("PLAIN", "AMQPLAIN", "EXTERNAL") or (mechanism == "EXTERNAL"
+                                                                   and not self.peer_identity):
+            offered = "PLAIN, AMQPLAIN or EXTERNAL" if self.peer_identity else "PLAIN or AMQPLAIN"
+            exc = AccessRefused(f"unsupported authentication mechanism '{mechanism}'; use {offered}")
+        elif "localhost" not in exc.text:
+            exc = AccessRefused(
+                f"Login was refused using authentication mechanism {mechanism}. "
+                "For details see the broker logfile."
+            )
+        # A guesser waits longer for each answer (core/engine/login_throttle.py): Broker.login
+        # waited before the check; a refusal without one (a bad mechanism, the sans-IO path)
+        # waits here. The state stays AWAIT_START_OK, so nothing else it sends is processed.
+        delay = 0.0 if throttled else self.broker.login_throttle.delay(self.peer[0] if self.peer else None)
+        refusal = exc
+        if delay > 0:
+            self.suspended += 1
+
+            def later() -> None:
+                self.suspended -= 1
+                self._refuse_login(refusal)
+
+            self.broker.scheduler.call_later(delay, later)
+        else:
+            self._refuse_login(refusal)
+
+    def _logged_in(self) -> None:
+        assert self.user is not None
         self.username = self.user.name
         s = self.settings
         self.state = State.AWAIT_TUNE_OK
@@ -762,8 +820,6 @@ class Connection:
     def _refuse_login(self, exc: AccessRefused) -> None:
         if self.state is State.CLOSED or self.should_close:
             return
-        if self.suspended:
-            self.suspended -= 1
         if self.client_capability("authentication_failure_close"):
             self.close_with_error(exc)
         else:
@@ -868,7 +924,7 @@ class Connection:
         hb = self.heartbeat
         if hb <= 0:
             return
-        if self._held_by or self.blocked:
+        if self._held_by or self.blocked or self.transport_paused:
             # We are not reading this client: its silence is ours, not a dead peer.
             self.last_received = now
         if now - self.last_received > 2 * hb:

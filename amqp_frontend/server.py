@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import socket
 import ssl
 import time
 from collections.abc import Awaitable, Callable
@@ -15,8 +16,10 @@ from amqp_frontend.connection import Connection, ServerSettings, State
 from amqp_frontend.tls_accept import TLSListener, peer_identity
 from core.engine.alarms import MEMORY
 from core.engine.broker import Broker
+from core.model.ratelog import RateLimitedLog
 
 log = logging.getLogger("leveret.amqp")
+_refusals = RateLimitedLog(log)
 
 
 class AMQPProtocol(asyncio.Protocol):
@@ -33,11 +36,22 @@ class AMQPProtocol(asyncio.Protocol):
         self._lingering = False
         self.recv_oct = 0  # bytes read from and written to the socket
         self.send_oct = 0
+        # The address while this connection has not logged in (LoginThrottle.handshake_started).
+        self._handshaking: str | None = None
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         # uvloop's transport is not an asyncio.Transport subclass, so no isinstance check.
         self.transport = tr = transport  # type: ignore[assignment]
         peer = transport.get_extra_info("peername")
+        host = peer[0] if peer else None
+        if not self.server.broker.login_throttle.handshake_started(host):
+            # Too many connections of this address have not logged in: each holds a socket and
+            # buffers, and each is a password guess waiting its turn.
+            _refusals.warning(str(host), "connection refused: too many handshakes from this address",
+                              limit=self.server.broker.login_throttle.handshakes_per_host)
+            tr.abort()  # type: ignore[attr-defined]
+            return
+        self._handshaking = host
         # On the AMQPS listener: the name in the client certificate TLS verified, for SASL EXTERNAL.
         tls = transport.get_extra_info("ssl_object")
         identity = peer_identity(tls.getpeercert()) if tls is not None else None
@@ -55,7 +69,8 @@ class AMQPProtocol(asyncio.Protocol):
         if self._lingering:
             return  # closed: what the client still sends is read and dropped
         conn = self.conn
-        assert conn is not None
+        if conn is None:
+            return  # refused in connection_made
         self.recv_oct += len(data)  # RabbitMQ's recv_oct/send_oct (the management API's connection view)
         conn.receive_data(data)
         self._after_input(conn)
@@ -65,12 +80,14 @@ class AMQPProtocol(asyncio.Protocol):
             self.block()
         elif self.server.broker.forward_congested and conn.has_published and not self._flow_paused:
             self.pause_for_flow()
-        if conn.input_pending:
-            # This read held more than one turn's work (READ_BUDGET): the rest is handled
-            # next turn, after the other connections' input (acks, consumes, heartbeats).
+        self._flush()
+        if conn.input_pending and not conn.transport_paused:
+            # This read held more than one turn's work (READ_BUDGET), or output over the
+            # high-water mark that the flush handed to the transport: the rest is handled next
+            # turn, after the other connections' input (acks, consumes, heartbeats). While the
+            # transport is paused, resume_writing goes on instead.
             self._schedule_continue()
         self._update_reading()
-        self._flush()
 
     def _schedule_continue(self) -> None:
         if not self._continue_scheduled:
@@ -81,7 +98,7 @@ class AMQPProtocol(asyncio.Protocol):
         """Handle input left buffered by the read budget or by flow control, then read again."""
         self._continue_scheduled = False
         conn = self.conn
-        if conn is None or self.transport is None:
+        if conn is None or self.transport is None or self._lingering:
             return
         conn.receive_data(b"")
         self._after_input(conn)
@@ -89,8 +106,8 @@ class AMQPProtocol(asyncio.Protocol):
     def _update_reading(self) -> None:
         """Read the socket unless the memory alarm, forwarding congestion or flow control say not."""
         conn, transport = self.conn, self.transport
-        if conn is None or transport is None:
-            return
+        if conn is None or transport is None or self._lingering:
+            return  # a lingering close drains whatever comes (_start_linger)
         want = conn.wants_read and not conn.blocked and not self._flow_paused
         if want != self._reading:
             self._reading = want
@@ -154,6 +171,8 @@ class AMQPProtocol(asyncio.Protocol):
         transport = self.transport
         if conn is None or transport is None or self._lingering:
             return
+        if self._handshaking is not None and conn.user is not None:
+            self._end_handshake()
         data = conn.data_to_send()
         if data and not transport.is_closing():
             self.send_oct += len(data)
@@ -190,13 +209,25 @@ class AMQPProtocol(asyncio.Protocol):
     def pause_writing(self) -> None:
         if self.conn is not None:
             self.conn.set_transport_paused(True)
+            if not self._lingering:
+                self._update_reading()  # no more input while the client does not take our output
 
     def resume_writing(self) -> None:
         if self.conn is not None:
             self.conn.set_transport_paused(False)
             self._schedule_flush()
+            # Input left while our output was over the high-water mark, and reading itself.
+            self._schedule_continue()
+
+    def _end_handshake(self) -> None:
+        self.server.broker.login_throttle.handshake_ended(self._handshaking)
+        self._handshaking = None
 
     def connection_lost(self, exc: Exception | None) -> None:
+        if self.conn is None:
+            return  # refused in connection_made: never counted
+        if self._handshaking is not None:
+            self._end_handshake()
         self.server.connections.discard(self)
         self.server.broker.stats.connections_closed += 1
         if self.conn is not None:
@@ -209,8 +240,32 @@ class AMQPProtocol(asyncio.Protocol):
         conn = self.conn
         if conn is None:
             return
+        if not self._reading and not self._lingering and self.transport is not None and _peer_gone(self.transport):
+            # Not reading (memory alarm, flow, output held): a peer that left would go unnoticed
+            # and its connection (a partial body, buffers) held for ever.
+            log.info("peer of a paused connection is gone", extra={"peer": conn._peer_text()})
+            self.transport.abort()
+            return
         conn.tick(now)
         self._flush()
+
+
+# Linux TCP states (include/net/tcp_states.h): the peer sent FIN, or the connection was reset.
+_TCP_CLOSE, _TCP_CLOSE_WAIT = 7, 8
+
+
+def _peer_gone(transport: asyncio.BaseTransport) -> bool:
+    """Has the peer closed or reset a connection we are not reading? Its unread input (a publisher
+    blocked mid-body) hides the EOF from a read, so ask the kernel for the TCP state."""
+    sock = transport.get_extra_info("socket")
+    tcp_info = getattr(socket, "TCP_INFO", None)
+    if sock is None or tcp_info is None:
+        return False
+    try:
+        state = sock.getsockopt(socket.IPPROTO_TCP, tcp_info, 8)[0]
+    except OSError:
+        return True
+    return state in (_TCP_CLOSE, _TCP_CLOSE_WAIT)
 
 
 class AMQPServer:

@@ -1,8 +1,12 @@
-"""``python -m bench.fuzz --minutes N``: mutated AMQP frames against a live node, for minutes.
+"""``python -m bench.fuzz --minutes N``: mutated and hostile AMQP frames against a live node, for minutes.
 
 The long form of tests/test_fuzz.py (same seeds and mutations, from
 tests/fuzzing.py), over real sockets. Workers open connections and send
-bursts of mutated frames; one canary client keeps doing publish/get round
+bursts of mutated frames, and (``--mode``) bursts of hostile but well-formed
+ones (``fuzzing.hostile``: topic bindings with runs of ``#`` and ``*`` and
+255-byte routing keys, large and deep argument tables and headers, odd
+names, get/reject pairs, partial bodies): a byte fuzzer breaks frames and
+never reaches what valid input can do to routing or memory. One canary client keeps doing publish/get round
 trips on its own connection throughout. The report: frames sent, the close
 codes the node answered with, internal errors (541 on the wire or an
 internal-error line in the node's log: must be 0), crashes (0), the node's
@@ -106,8 +110,9 @@ class Reader:
 
 
 class Worker(threading.Thread):
-    def __init__(self, url: BrokerUrl, tally: Tally, seed: int, deadline: float) -> None:
+    def __init__(self, url: BrokerUrl, tally: Tally, seed: int, deadline: float, mode: str = "both") -> None:
         super().__init__(daemon=True)
+        self.mode = mode
         self.url = url
         self.tally = tally
         self.rnd = random.Random(seed)
@@ -143,11 +148,15 @@ class Worker(threading.Thread):
             reader.buf = client.buffer
             setup = b"".join(frame.marshal(m, 1) for m in fuzzing.SETUP)
             sock.sendall(setup)
+            hostile = self.mode == "hostile" or (self.mode == "both" and rnd.random() < 0.5)
             for _ in range(rnd.randint(1, 30)):
-                frames = [rnd.choice(SEEDS) for _ in range(rnd.randint(1, 8))]
-                for _ in range(rnd.choice((0, 1, 1, 1, 2, 3))):
-                    j = rnd.randrange(len(frames))
-                    frames[j] = fuzzing.mutate(rnd, frames[j])
+                if hostile:
+                    frames = [fuzzing.hostile(rnd) for _ in range(rnd.randint(1, 3))]
+                else:
+                    frames = [rnd.choice(SEEDS) for _ in range(rnd.randint(1, 8))]
+                    for _ in range(rnd.choice((0, 1, 1, 1, 2, 3))):
+                        j = rnd.randrange(len(frames))
+                        frames[j] = fuzzing.mutate(rnd, frames[j])
                 data = b"".join(frames)
                 sock.sendall(data)
                 self.tally.add(len(fuzzing.split_frames(data)) or 1, len(data))
@@ -369,7 +378,7 @@ def _measure(args: argparse.Namespace, url: BrokerUrl, pid: int | None, node: No
     started = time.monotonic()
     deadline = started + args.minutes * 60
     threads: list[threading.Thread] = [Canary(url, tally, deadline)]
-    threads += [Worker(url, tally, args.seed * 1000 + i, deadline) for i in range(args.workers)]
+    threads += [Worker(url, tally, args.seed * 1000 + i, deadline, args.mode) for i in range(args.workers)]
     for t in threads:
         t.start()
     crashed = False
@@ -395,6 +404,7 @@ def _measure(args: argparse.Namespace, url: BrokerUrl, pid: int | None, node: No
     wire_541 = sum(v for k, v in tally.close_codes.items() if k.endswith(" 541"))
     return {
         "minutes": args.minutes,
+        "mode": args.mode,
         "workers": args.workers,
         "frames_sent": tally.frames_sent,
         "bytes_sent": tally.bytes_sent,
@@ -424,6 +434,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--log", help="with --url: the node's JSON log file, for log volume and internal errors")
     parser.add_argument("--workers", type=int, default=4)
     parser.add_argument("--seed", type=int, default=1)
+    parser.add_argument("--mode", choices=("mutate", "hostile", "both"), default="both",
+                        help="mutated frames, hostile well-formed frames (tests/fuzzing.py: hostile), or both "
+                        "(half the connections each)")
     parser.add_argument("--settle", type=float, default=6.0, help="seconds between the run and the after-sample")
     parser.add_argument("--json", help="also write the report here")
     parser.add_argument("--progress", action="store_true")

@@ -2,8 +2,8 @@
 
 A user stored the old way (PBKDF2 with one iteration, the records of earlier
 Leveret versions) logs in with pika; the node re-writes its record as argon2id
-in the store. Failed logins from one address are answered later and later,
-and the right password still gets in at once.
+in the store. Failed logins from one address make every later check from it
+wait longer, the right password's too, and it still gets in.
 """
 
 from __future__ import annotations
@@ -79,16 +79,18 @@ def test_an_old_record_is_rehashed_as_argon2id_on_login(node: NodeProcess) -> No
     assert "old-pass" not in node.stderr_tail(10**7)  # no secret in the log
 
 
-def test_failed_logins_slow_down_and_the_right_password_gets_in(node: NodeProcess) -> None:
+def test_failed_logins_slow_down_every_later_check_and_the_right_password_gets_in(node: NodeProcess) -> None:
     waits = []
     for _ in range(5):
         started = time.monotonic()
         with pytest.raises(pika.exceptions.ProbableAuthenticationError):
             _connect(node, "guest", "a guess")
         waits.append(time.monotonic() - started)
-    # 0, 0.1, 0.2, 0.4, 0.8 s of delay on top of the round trips
-    assert waits[4] - waits[0] > 0.6, waits
+    # 0, 0, 0.1, 0.2, 0.4 s of delay before each check, on top of the round trips
+    assert waits[4] - waits[0] > 0.3, waits
     started = time.monotonic()
     with _connect(node, "guest", "guest"):
         pass
-    assert time.monotonic() - started < waits[4], "the right password waited"
+    # The check itself waits (0.8 s after five failures), the right password's too: a guesser
+    # that only waited for refusals saw the right password answered at once (issue #26, item 12).
+    assert time.monotonic() - started > 0.6, "the right password was checked at once"

@@ -24,6 +24,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import NamedTuple
 
+from core.model import private_files
+
 log = logging.getLogger("leveret.store")
 
 # A new segment after this many bytes. RabbitMQ's msg_store files are 16 MiB; a larger
@@ -127,7 +129,7 @@ class SegmentStore:
         it never happened); bytes past a segment's committed end are cut (a batch
         written but never committed: the crash came between the fsync and the commit).
         """
-        self.directory.mkdir(parents=True, exist_ok=True)
+        private_files.private_dir(self.directory)
         report = Recovery()
         present: set[int] = set()
         for path in sorted(self.directory.iterdir()):
@@ -139,6 +141,7 @@ class SegmentStore:
                 continue
             if not path.name.endswith(_SUFFIX):
                 continue
+            private_files.tighten(path)  # segments written before they were made 0600
             try:
                 segment = int(path.name[: -len(_SUFFIX)], 16)
             except ValueError:
@@ -250,7 +253,7 @@ class SegmentStore:
         if self._spares:
             os.rename(self._spares.pop(), path)
         flags = os.O_RDWR | os.O_CREAT | getattr(os, "O_CLOEXEC", 0)
-        self._fds[segment] = os.open(path, flags, 0o640)
+        self._fds[segment] = os.open(path, flags, private_files.FILE_MODE)
         self.active = segment
         self.active_end = 0
 

@@ -23,6 +23,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, TypeVar
 
+from core.model import private_files
 from core.model.fieldtable import decode_table, encode_table
 from core.model.policy import Policy
 from core.ports.store import (
@@ -88,7 +89,11 @@ class SQLiteStore:
     async def open(self) -> None:
         def connect() -> None:
             try:
-                Path(self.path).parent.mkdir(parents=True, exist_ok=True)
+                # Hashes, bodies and shovel URIs with passwords: 0700 directory, 0600 files.
+                private_files.private_dir(Path(self.path).parent)
+                private_files.private_file(self.path)
+                for suffix in ("-wal", "-shm"):
+                    private_files.tighten(self.path + suffix)  # a store made before they were 0600
                 db = sqlite3.connect(self.path, isolation_level=None, check_same_thread=False)
                 # The page size counts for a new file only. With large bodies in SQLite
                 # (no body store), 64 KiB pages: a 1 MiB body is 16 overflow pages instead

@@ -46,6 +46,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from core.model import private_files
 from core.ports.store import StoredMessage, StoreError
 from persistence.bodystore import BodyRef, CorruptBody, Recovery, SegmentStore
 
@@ -111,8 +112,9 @@ class BodyIndex:
         removes segments; any other opener only reads bodies (the lock goes with the process,
         kill -9 included).
         """
-        self.segments.directory.mkdir(parents=True, exist_ok=True)
-        self._lock_fd = os.open(self.segments.directory / "LOCK", os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o640)
+        private_files.private_dir(self.segments.directory)
+        self._lock_fd = os.open(self.segments.directory / "LOCK", os.O_RDWR | os.O_CREAT | os.O_CLOEXEC,
+                                private_files.FILE_MODE)
         try:
             fcntl.flock(self._lock_fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:

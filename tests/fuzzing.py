@@ -17,6 +17,7 @@ from collections.abc import Iterator
 from pamqp import commands, frame
 from pamqp.base import Frame as Method
 from pamqp.body import ContentBody
+from pamqp.common import FieldTable
 from pamqp.header import ContentHeader
 
 from core.engine.broker import Broker
@@ -213,3 +214,106 @@ def close_codes(data: bytes) -> list[tuple[int, int]]:
         if ftype == 1 and payload[:4] in (b"\x00\x0a\x00\x32", b"\x00\x14\x00\x28"):
             out.append((channel, struct.unpack_from(">H", payload, 4)[0]))
     return out
+
+
+# -- hostile but well-formed input ---------------------------------------------------------
+# A byte fuzzer breaks frames; it did not find that a valid topic binding such as
+# "#.*.#.*.…z" made routing exponential (issue #26, item 11). These frames are all valid
+# AMQP: what is hostile is their content (patterns, sizes, nesting, names).
+
+def _words(rnd: random.Random, count: int) -> str:
+    return ".".join(rnd.choice(("a", "b", "z", "#", "*", "ab", "")) for _ in range(count))
+
+
+def nasty_topic_pattern(rnd: random.Random, scale: int = 14) -> str:
+    """Binding keys a backtracking matcher pays for: runs of '#' and '*', at most 255 bytes."""
+    shape = rnd.randrange(5)
+    if shape == 0:
+        key = "#.*." * rnd.randint(1, scale) + "z"
+    elif shape == 1:
+        key = ".".join(["#"] * rnd.randint(2, scale * 2) + ["z"])
+    elif shape == 2:
+        key = "*." * rnd.randint(1, scale * 2) + "#"
+    elif shape == 3:
+        key = _words(rnd, rnd.randint(1, scale * 3))
+    else:
+        key = "#." + ".".join("*" if rnd.random() < 0.5 else "#" for _ in range(rnd.randint(1, scale))) + ".z"
+    return key[:255]
+
+
+def long_routing_key(rnd: random.Random, words: int = 128) -> str:
+    """Up to 255 bytes of short words (the most words a key can have), never ending in 'z'."""
+    count = words if rnd.random() < 0.5 else rnd.randint(1, words)  # often the longest: the worst case
+    return ".".join(rnd.choice("abcdxy") for _ in range(count))[:255].rstrip(".") or "a"
+
+
+def big_table(rnd: random.Random, entries: int = 200, depth: int = 0) -> FieldTable:
+    """A table with many entries, or nested up to ``depth`` (within the 64-level limit)."""
+    table: FieldTable = {f"k{i}": rnd.choice((i, "v" * rnd.randint(0, 200), [i, "x"], None, True, 2.5))
+                                for i in range(entries)}
+    for _ in range(depth):
+        table = {"n": table, "x-match": "any"}
+    return table
+
+
+def odd_name(rnd: random.Random) -> str:
+    """Queue and exchange names at the edges: 255 bytes, multi-byte UTF-8, amq.-like, dots."""
+    return rnd.choice(("q" * 255, "é" * 127, "amq.gen-" + "x" * 20, "....", "очередь", " ", "a\x00b",
+                       "h-" + "#.*" * 20))
+
+
+def _named(method: Method, name: str) -> bytes:
+    """``method`` (built with the name "PLACEHOLDER") with ``name`` put in its place: pamqp refuses to
+    build names outside the spec's domain, which RabbitMQ (and Leveret) accept."""
+    raw = _m(method)
+    encoded = name.encode("utf-8")[:255]
+    payload = raw[7:-1].replace(b"\x0bPLACEHOLDER", bytes((len(encoded),)) + encoded, 1)
+    return reframe(1, 1, payload)
+
+
+def hostile(rnd: random.Random, scale: int = 14, partial: bool = True) -> bytes:
+    """Well-formed frames for channel 1 that stress routing, decoding and memory, not framing.
+
+    ``scale`` bounds the topic patterns (14: the issue's 14 times "#.*."); the in-process test uses
+    less, bench/fuzz.py the full size, where a second client measures the node's stalls. With
+    ``partial`` the frames may end inside a message body (a method frame after it is then 505).
+    """
+    kind = rnd.randrange(9 if partial else 8)
+    if kind == 0:  # a nasty binding, then a publish with a long key that matches nothing
+        return (_m(commands.Queue.Bind(queue="q", exchange="amq.topic", routing_key=nasty_topic_pattern(rnd, scale)))
+                + publish(1, b"t", exchange="amq.topic", routing_key=long_routing_key(rnd, scale * 2)))
+    if kind == 1:  # headers bindings with large and deep argument tables
+        args = big_table(rnd, rnd.choice((1, 50, 500)), rnd.choice((0, 5, 60)))
+        args["x-match"] = rnd.choice(("any", "all", "any-with-x", "all-with-x"))
+        return _m(commands.Queue.Bind(queue="q", exchange="h", arguments=args))
+    if kind == 2:  # a publish with huge headers to the headers exchange
+        headers = big_table(rnd, rnd.choice((10, 300, 2000)), rnd.choice((0, 20, 60)))
+        return publish(1, b"h", exchange="h", props=commands.Basic.Properties(headers=headers))
+    if kind == 3:  # declarations with large argument tables and odd names
+        args = big_table(rnd, rnd.choice((5, 500)), rnd.choice((0, 60)))
+        return _named(commands.Queue.Declare(queue="PLACEHOLDER", arguments=args, auto_delete=True), odd_name(rnd))
+    if kind == 4:  # exchange-to-exchange bindings in a ring, then a publish into it
+        return (_m(commands.Exchange.Declare(exchange="r1", exchange_type="topic"))
+                + _m(commands.Exchange.Declare(exchange="r2", exchange_type="topic"))
+                + _m(commands.Exchange.Bind(destination="r2", source="r1", routing_key="#"))
+                + _m(commands.Exchange.Bind(destination="r1", source="r2", routing_key="#"))
+                + _m(commands.Exchange.Bind(destination="amq.topic", source="r1",
+                                            routing_key=nasty_topic_pattern(rnd, scale)))
+                + publish(1, b"r", exchange="r1", routing_key=long_routing_key(rnd, scale * 2)))
+    if kind == 5:  # a consumer with a big argument table, a long tag
+        return _m(commands.Basic.Consume(queue="q", consumer_tag=f"{rnd.getrandbits(64):016x}" + "c" * 239,
+                                         no_ack=True,
+                                         arguments=big_table(rnd, rnd.choice((1, 300)), 0)))
+    if kind == 6:  # many small bindings with patterns on one queue
+        return b"".join(_m(commands.Queue.Bind(queue="q", exchange="amq.topic",
+                                               routing_key=nasty_topic_pattern(rnd, scale // 2 or 1)))
+                        for _ in range(rnd.randint(5, 40)))
+    if kind == 7:  # get + reject(requeue) pairs: replies the client may never read
+        return b"".join(_m(commands.Basic.Get(queue="q")) + _m(commands.Basic.Reject(delivery_tag=i + 1,
+                                                                                     requeue=True))
+                        for i in range(rnd.randint(1, 20)))
+    # a body announced larger than what follows: a partial body the node must account for
+    body = b"p" * rnd.choice((10, 4096, 100_000))
+    return (_m(commands.Basic.Publish(exchange="", routing_key="q"))
+            + frame.marshal(ContentHeader(0, len(body) * 4, commands.Basic.Properties()), 1)
+            + frame.marshal(ContentBody(body), 1))

@@ -1405,7 +1405,7 @@ def test_transport_paused_holds_deliveries(broker: Broker) -> None:
     c.declare_queue(1, "q")
     c.consume(1, "q", tag="t", no_ack=True)
     c.conn.set_transport_paused(True)
-    c.publish(1, b"held", routing_key="q")
+    connected(broker).publish(1, b"held", routing_key="q")  # another connection's: this one reads nothing now
     assert c.read() == []
     assert broker.vhosts["/"].queues["q"].message_count == 1
     c.conn.set_transport_paused(False)

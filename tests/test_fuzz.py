@@ -161,11 +161,11 @@ def test_fast_path_decoders_raise_only_what_callers_catch(payload: bytes) -> Non
     data = codec.BASIC_PUBLISH_ID + payload
     try:
         codec.decode_publish(data)
-    except (IndexError, UnicodeDecodeError):
+    except (IndexError, UnicodeDecodeError, codec.TrailingBytes):
         pass
     try:
         codec.decode_ack(codec.BASIC_ACK_ID + payload)
-    except struct.error:
+    except (struct.error, codec.TrailingBytes):
         pass
 
 
@@ -193,3 +193,34 @@ def test_field_table_and_properties_decoders(data: bytes, rnd: random.Random) ->
         properties.headers_of(props, properties.scan(props))
     except properties.PropertiesError:
         pass
+
+
+HOSTILE = settings(max_examples=150, deadline=None, derandomize=True, database=None,
+                   suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+
+
+@HOSTILE
+@given(rnd=st.randoms(use_true_random=False), bursts=st.integers(1, 4), cuts=st.lists(st.integers(0, 200_000),
+                                                                                    max_size=3))
+def test_hostile_but_well_formed_frames(rnd: random.Random, bursts: int, cuts: list[int]) -> None:
+    """Valid AMQP with hostile content (fuzzing.hostile): every frame is well-formed, so nothing may
+    close the connection; refusals are channel errors with protocol codes, never a traceback. The
+    topic patterns are kept small here (scale 4); bench/fuzz.py sends the full sizes against a node."""
+    broker = fuzzing.fresh_broker()
+    client = connected(broker, channels=(1,))
+    client.send(1, *fuzzing.SETUP)
+    client.read()
+    data = b"".join(fuzzing.hostile(rnd, scale=4, partial=i == bursts - 1) for i in range(bursts))
+    for piece in fuzzing.split_frames(data):  # well-formed: frames that decode exactly
+        ftype, _ch, size = fuzzing.FRAME_HEAD.unpack_from(piece, 0)
+        assert len(piece) == size + 8 and piece[-1] == 0xCE
+        if ftype == 1:
+            codec.decode_method(piece[7:-1])
+    with Tracebacks() as tracebacks:
+        out = feed(client, data, cuts)
+        assert not tracebacks.records, [r.getMessage() for r in tracebacks.records]
+    codes = fuzzing.close_codes(out)
+    assert all(ch != 0 for ch, _ in codes), f"valid frames closed the connection: {codes}"
+    check_output(out, allow_541=False)
+    client.conn.connection_lost()
+    canary(broker)

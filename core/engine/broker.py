@@ -2,11 +2,15 @@
 
 from __future__ import annotations
 
+import asyncio
 import base64
 import hashlib
 import hmac
 import ipaddress
+import os
 import secrets
+import threading
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -28,6 +32,10 @@ if TYPE_CHECKING:
     from core.model.policy import Policy
     from core.ports.coordinator import Coordinator
 
+
+# Threads for password checks (argon2id releases the GIL): bounded, and at most half the cores,
+# so a burst of logins neither stalls the event loop nor takes every core from it.
+KDF_THREADS = max(1, min(4, (os.cpu_count() or 2) // 2))
 
 # RabbitMQ's password_hash is base64(4-byte salt + digest): the salt's length tells the kind
 # apart (core/engine/passwords.py), so the store needs no new column.
@@ -51,6 +59,9 @@ class User:
     password_hash: bytes
     tags: tuple[str, ...] = ()
     vhosts: set[str] = field(default_factory=set)  # empty: no vhost at all
+    # Kept in stored records for their schema only; never consulted: which users may log in from
+    # loopback only is the node's list (Broker.loopback_users, RabbitMQ's loopback_users), so a
+    # re-created or imported guest is loopback-only too, and a renamed default user is not.
     loopback_only: bool = False
     # The regexes set with the management API (a vhost in ``vhosts`` without an entry
     # here has ".*" for all three); topic permissions: vhost -> exchange -> (write, read).
@@ -111,6 +122,15 @@ class User:
         return self.permissions.get(vhost) or Permission()
 
 
+def _lower_priority() -> None:
+    """A KDF thread yields the CPU to the event loop's: on a busy machine the scheduler would
+    otherwise share a core between them and the loop would wait (Linux: a thread is a task)."""
+    try:
+        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 10)
+    except (AttributeError, OSError):
+        pass
+
+
 def is_loopback(address: str | None) -> bool:
     if address is None:
         return True  # in-process callers (tests of the state machine)
@@ -129,8 +149,12 @@ class Broker:
         default_user: tuple[str, str] | None = ("guest", "guest"),
         scheduler: Scheduler | None = None,
         coordinator: Coordinator | None = None,
+        loopback_users: frozenset[str] = frozenset({"guest"}),
     ) -> None:
         self.node_id = node_id
+        # RabbitMQ's loopback_users: these names log in from loopback addresses only, whatever
+        # their record says or wherever it came from (created, re-created, imported).
+        self.loopback_users = loopback_users
         self.scheduler: Scheduler = scheduler or AsyncioScheduler()
         self.vhosts: dict[str, VirtualHost] = {}
         self.users: dict[str, User] = {}
@@ -150,6 +174,7 @@ class Broker:
         # Failed logins per peer address (the front ends wait its delay before refusing).
         self.login_throttle = LoginThrottle()
         self.recent_logins = passwords.RecentLogins()
+        self._kdf_threads: ThreadPoolExecutor | None = None  # made on the first login()
         # Told when a login re-hashed a user's old password record: the node persists it.
         self.on_user_rehashed: list[Callable[[User], None]] = []
         # Persists policies set through a vhost (core.durable.Durability.policy_changed): (policy, cleared).
@@ -172,8 +197,9 @@ class Broker:
         self.add_vhost("/")
         if default_user is not None:
             name, password = default_user
-            # As in RabbitMQ, the well-known default account only works from loopback.
-            self.add_user(name, password, tags=("administrator",), vhosts={"/"}, loopback_only=True)
+            # Loopback-only when its name is in loopback_users (guest by default), as RabbitMQ's
+            # default user: a container's RABBITMQ_DEFAULT_USER=admin logs in from anywhere.
+            self.add_user(name, password, tags=("administrator",), vhosts={"/"})
 
     @property
     def memory_alarm(self) -> bool:
@@ -255,8 +281,37 @@ class Broker:
             self._tell_user_changed(name)
         return found
 
+    async def login(self, username: str, password: str, peer_host: str | None) -> User:
+        """``authenticate`` off the event loop: the address's turn and delay first (login_throttle),
+        then the KDF in the broker's threads. The user, or AccessRefused."""
+        user = self.users.get(username)
+        if (user is not None and is_loopback(peer_host)
+                and hmac.compare_digest(password.encode(), self.link_token.encode())):
+            return user  # a shovel or federation link acting as its owner (leveret/links/identity.py)
+        async with self.login_throttle.turn(peer_host):
+            user = self.users.get(username)
+            if user is not None and self.recent_logins.known(username, user.password_hash, password):
+                return self._logged_in(user, username, password, peer_host, None)
+            if self._kdf_threads is None:
+                self._kdf_threads = ThreadPoolExecutor(KDF_THREADS, thread_name_prefix="leveret-kdf",
+                                                       initializer=_lower_priority)
+            record = (user.salt, user.password_hash) if user is not None else None
+            ok, rehash = await asyncio.get_running_loop().run_in_executor(
+                self._kdf_threads, passwords.check, record, password)
+            if self.users.get(username) is not user:  # changed or deleted while it was checked
+                user, ok, rehash = self.users.get(username), False, False
+            if user is None or not ok:
+                self.login_throttle.failed(peer_host)
+                raise AccessRefused("Login was refused using authentication mechanism PLAIN")
+            new = None
+            if rehash and (username not in self.loopback_users or is_loopback(peer_host)):
+                new = await asyncio.get_running_loop().run_in_executor(
+                    self._kdf_threads, passwords.new_record, password)
+            return self._logged_in(user, username, password, peer_host, new)
+
     def authenticate(self, username: str, password: str, peer_host: str | None) -> User:
-        """The user, or AccessRefused; a failure counts against ``peer_host`` (``login_throttle``)."""
+        """The user, or AccessRefused; a failure counts against ``peer_host`` (``login_throttle``).
+        On the caller's thread: the front ends that can wait use ``login``."""
         user = self.users.get(username)
         if (user is not None and is_loopback(peer_host)
                 and hmac.compare_digest(password.encode(), self.link_token.encode())):
@@ -264,16 +319,21 @@ class Broker:
         if user is not None and self.recent_logins.known(username, user.password_hash, password):
             ok, rehash = True, False
         else:
-            ok, rehash = passwords.verify(user.salt, user.password_hash, password) if user else (False, False)
-        if user is None:
-            passwords.waste(password)  # as long as a wrong password: user names stay unknown
+            ok, rehash = passwords.check((user.salt, user.password_hash) if user else None, password)
         if user is None or not ok:
             self.login_throttle.failed(peer_host)
             raise AccessRefused("Login was refused using authentication mechanism PLAIN")
-        if user.loopback_only and not is_loopback(peer_host):
+        new = passwords.new_record(password) if rehash and (username not in self.loopback_users
+                                                            or is_loopback(peer_host)) else None
+        return self._logged_in(user, username, password, peer_host, new)
+
+    def _logged_in(self, user: User, username: str, password: str, peer_host: str | None,
+                   new_record: tuple[bytes, bytes] | None) -> User:
+        """The password matched: the loopback rule, an old record replaced by ``new_record``."""
+        if username in self.loopback_users and not is_loopback(peer_host):
             raise AccessRefused(f"user '{username}' can only connect via localhost")
-        if rehash:
-            user.salt, user.password_hash = passwords.new_record(password)
+        if new_record is not None:
+            user.salt, user.password_hash = new_record
             for listener in list(self.on_user_rehashed):
                 listener(user)
         self.recent_logins.remember(username, user.password_hash, password)
@@ -285,7 +345,7 @@ class Broker:
         if user is None:
             self.login_throttle.failed(peer_host)
             raise AccessRefused(f"no user '{username}' for the client certificate's name (EXTERNAL)")
-        if user.loopback_only and not is_loopback(peer_host):
+        if username in self.loopback_users and not is_loopback(peer_host):
             raise AccessRefused(f"user '{username}' can only connect via localhost")
         return user
 

@@ -48,7 +48,7 @@ from collections.abc import Callable, Iterable, Iterator
 from typing import IO, TYPE_CHECKING
 
 from core.engine.ready import requeue_into, take_offsets
-from core.model import properties
+from core.model import private_files, properties
 from core.model.message import Message, QueuedMessage
 from core.ports.store import StoredMessage
 
@@ -102,7 +102,7 @@ def configure(queue_bytes: int, node_bytes: int, directory: str) -> None:
     settings.node_bytes = node_bytes
     if directory:
         shutil.rmtree(directory, ignore_errors=True)
-        os.makedirs(directory, exist_ok=True)
+        private_files.private_dir(directory)  # paged-out message bodies: the node's user only
     settings.directory = directory
 
 
@@ -139,7 +139,8 @@ class SegmentLog:
             if self.segments and self.segments[-1][1] == 0:
                 self._drop_first()  # read back entirely (so every older one is gone too)
         self.write_no += 1
-        self.writer = open(self._path(self.write_no), "wb")  # noqa: SIM115 - kept open while written
+        # Kept open while written (SIM115); 0600, as everything under the data directory.
+        self.writer = open(self._path(self.write_no), "wb", opener=private_files.opener)  # noqa: SIM115
         self.written = 0
         self.segments.append([self.write_no, 0])
 

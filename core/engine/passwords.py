@@ -86,6 +86,21 @@ def waste(password: str) -> None:
     _kdf.verify(_dummy, password)
 
 
+def check(record: tuple[bytes, bytes] | None, password: str) -> tuple[bool, bool]:
+    """``verify`` for a user's ``(salt, password_hash)``, or for no user (``None``), at one cost:
+    every answer spends one check of the node's KDF, so its timing tells neither whether the user
+    exists nor the kind of its record (an imported RabbitMQ SHA-256 record checks in a
+    microsecond: 6,763 guesses/s against 35/s for argon2id). Runs in the broker's KDF threads."""
+    if record is None:
+        waste(password)
+        return False, False
+    salt, hashed = record
+    result = verify(salt, hashed, password)
+    if salt:  # RabbitMQ's or the first Leveret records: as slow as the KDF's
+        waste(password)
+    return result
+
+
 def new_record(password: str) -> tuple[bytes, bytes]:
     """``(salt, password_hash)`` for a new password: the salt lives inside the PHC string."""
     return b"", _kdf.hash(password)

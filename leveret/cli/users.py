@@ -45,7 +45,8 @@ def add_parsers(sub: Any) -> None:
     add.add_argument("--tag", action="append", default=[], dest="tags", help="e.g. administrator (repeatable)")
     add.add_argument("--vhost", action="append", default=[], dest="vhosts",
                      help="a vhost the user may open (repeatable; none by default)")  # fmt: skip
-    add.add_argument("--loopback-only", action="store_true", help="accept logins from 127.0.0.1/::1 only")
+    add.add_argument("--loopback-only", action="store_true",
+                     help="ignored: loopback-only users are the node's --loopback-users list (default guest)")
     delete = actions.add_parser("delete", help="delete a user")
     delete.add_argument("name")
     list_ = actions.add_parser("list", help="list users")

@@ -5,7 +5,6 @@ from __future__ import annotations
 import base64
 import binascii
 import os
-import re
 import socket
 import time
 from typing import TYPE_CHECKING, Any
@@ -15,6 +14,7 @@ from aiohttp import web
 from core.engine import access, limits
 from core.engine.broker import RABBIT_SHA256, Permission, User
 from core.engine.stats import QUEUE_FIELDS, queue_counters
+from core.model import patterns
 from core.model.policy import Policy, PolicyError
 from leveret import __version__
 from leveret.http import api_operator, api_shovels, listing
@@ -415,10 +415,9 @@ def check_regex(value: Any, what: str) -> str:
     if not isinstance(value, str):
         raise bad_request(f"{what} must be a string (a regular expression)")
     try:
-        re.compile(value)
-    except re.error as exc:
-        raise bad_request(f"{what} {value!r} is not a valid regular expression: {exc}") from None
-    return value
+        return patterns.check(value)  # RE2 (core/model/patterns.py): what the checks will run
+    except patterns.PatternError as exc:
+        raise bad_request(f"{what} {value!r} is {exc}") from None
 
 
 PERMISSION_FIELDS = frozenset({"configure", "write", "read", "user", "vhost"})

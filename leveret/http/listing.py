@@ -10,10 +10,10 @@ expression); ``sort=field.sub`` and ``sort_reverse=true`` order; ``page`` and
 
 from __future__ import annotations
 
-import re
 from collections.abc import Mapping
 from typing import Any
 
+from core.model import patterns
 from leveret.http.errors import bad_request
 
 MAX_PAGE_SIZE = 500
@@ -78,14 +78,14 @@ def keep_columns(item: Mapping[str, Any], columns: list[str]) -> dict[str, Any]:
 _MISSING = object()
 
 
-def name_filter(query: Mapping[str, str]) -> re.Pattern[str] | str | None:
+def name_filter(query: Mapping[str, str]) -> patterns.Pattern | str | None:
     name = query.get("name")
     if not name:
         return None
     if _flag(query, "use_regex"):
         try:
-            return re.compile(name)
-        except re.error as exc:
+            return patterns.compile_pattern(name)  # RE2: linear time whatever the pattern
+        except patterns.PatternError as exc:
             raise bad_request(f"invalid regular expression {name!r}: {exc}") from None
     return name
 

@@ -166,7 +166,7 @@ class ManagementAPI:
         if self._runner is not None:
             await self._runner.cleanup()
 
-    def _authenticate(self, request: web.Request) -> User:
+    async def _authenticate(self, request: web.Request) -> User:
         header = request.headers.get("Authorization", "")
         scheme, _, encoded = header.partition(" ")
         if scheme.lower() != "basic" or not encoded:
@@ -183,7 +183,8 @@ class ManagementAPI:
         user = self._logins.get(key)
         if user is None or self.node.broker.users.get(username) is not user:
             try:
-                user = self.node.broker.authenticate(username, password, request.remote)
+                # The login throttle's turn and delay, the KDF off the event loop (Broker.login).
+                user = await self.node.broker.login(username, password, request.remote)
             except AccessRefused:
                 raise not_authorised("Login failed") from None
             if len(self._logins) > 1024:
@@ -205,7 +206,7 @@ class ManagementAPI:
                 raise HttpError(405, "Method Not Allowed", f"{request.method} is not allowed here")
             handler, access = route.methods[method]
             _json_only(request)
-            user = self._authenticate(request)
+            user = await self._authenticate(request)
             if access == "administrator" and "administrator" not in user.tags:
                 raise not_authorised("Not administrator user")
             if access == "monitoring" and not any(t in user.tags for t in ("administrator", "monitoring")):

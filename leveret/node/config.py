@@ -35,6 +35,7 @@ class NodeConfig:
     body_store_threshold: int = 32 * 1024  # persistence/sqlite_bodies.py DEFAULT_THRESHOLD
     default_user: str = "guest"
     default_pass: str = "guest"
+    loopback_users: str = "guest"
     etcd: str = ""
     cluster: str = "leveret"
     region: str = ""
@@ -74,6 +75,10 @@ class NodeConfig:
     @property
     def resolved_node_id(self) -> str:
         return self.node_id or f"leveret@{os.uname().nodename}"
+
+    @property
+    def loopback_user_names(self) -> frozenset[str]:
+        return frozenset(n.strip() for n in self.loopback_users.split(",") if n.strip())
 
     @property
     def resolved_amqps_port(self) -> int:
@@ -120,7 +125,9 @@ HELP = {
     "body_store_threshold": "with the embedded store, bodies of at least this many bytes are kept in append-only "
     "segment files under --data-dir/bodies and SQLite holds a reference (docs/notes/bodystore.md); 0 keeps every "
     "body in SQLite",
-    "default_user": "user created at start, allowed from loopback only (as RabbitMQ's guest)",
+    "default_user": "administrator created at start (loopback-only only when named in --loopback-users)",
+    "loopback_users": "comma-separated users who may log in from loopback addresses only, whatever their record "
+    "(RabbitMQ's loopback_users; a TOML list works too); empty: none",
     "default_pass": "password of the default user",
     "etcd": "comma-separated etcd endpoints (http://host:port); turns on cluster mode (needs --store postgres)",
     "cluster": "cluster name: the etcd key prefix /leveret/<cluster>/",
@@ -189,6 +196,8 @@ def _coerce(name: str, kind: Any, value: Any, source: str) -> Any:
             return int(value)
         if kind is float or kind == "float":
             return float(value)
+        if isinstance(value, list):  # a TOML list for a comma-separated option (loopback_users)
+            return ",".join(str(v) for v in value)
         return str(value)
     except (TypeError, ValueError) as exc:
         what = {"bool": "true or false", "float": "a number"}.get(str(getattr(kind, "__name__", kind)), "an integer")

@@ -22,6 +22,7 @@ from core.engine import paging
 from core.engine.alarms import DISK, MEMORY
 from core.engine.broker import Broker
 from core.engine.stream import StreamQueue
+from core.model import private_files
 from core.model.tasks import spawn
 from core.ports.store import MessageStore, StoreError
 from leveret import __version__
@@ -62,7 +63,7 @@ class Node:
         # In a cluster the etcd coordinator replaces it once it has joined (start()).
         self.broker = Broker(
             node_id=config.resolved_node_id, default_user=(config.default_user, config.default_pass),
-            coordinator=self.local,
+            coordinator=self.local, loopback_users=config.loopback_user_names,
         )
         self.local.attach(self.broker)
         self.local.region = config.region
@@ -258,7 +259,7 @@ class Node:
         gc.collect()
         gc.freeze()
         gc.set_threshold(50_000, 20, 100)
-        Path(self.config.data_dir).mkdir(parents=True, exist_ok=True)
+        private_files.private_dir(self.config.data_dir)  # 0700: hashes, bodies, URIs (docs/SECURITY.md)
         await self._open_store()
         # Scrapeable before clients are served: a probe that saw AMQP answer can read the metrics too.
         if self.config.prometheus_port:
