@@ -19,8 +19,8 @@ import pytest
 from pamqp import commands, frame, header
 from pamqp.body import ContentBody
 
-from compat_tests.node_process import NodeProcess
 from compat_tests.raw_amqp import RawAMQP
+from harness.node import NodeProcess
 
 MiB = 1024 * 1024
 
