@@ -19,8 +19,8 @@ import grpc
 import leveret.node.grpc_server as grpc_server
 from coordination.local import LocalCoordinator
 from core.engine.broker import Broker
-from core.grpc_api import leveret_pb2 as pb
-from core.grpc_api import leveret_pb2_grpc as pb_grpc
+from leveret_client.proto import leveret_pb2 as pb
+from leveret_client.proto import leveret_pb2_grpc as pb_grpc
 
 
 class _PassThrough(grpc.aio.ServerInterceptor):

@@ -17,10 +17,10 @@ import grpc
 import pytest
 
 from compat_tests.mgmt_http import Mgmt, wait_http
-from core.grpc_api import leveret_pb2 as pb
-from core.grpc_api import leveret_pb2_grpc as pb_grpc
 from harness.node import NodeProcess
 from leveret.node.grpc_server import MAX_CONCURRENT_STREAMS
+from leveret_client.proto import leveret_pb2 as pb
+from leveret_client.proto import leveret_pb2_grpc as pb_grpc
 
 pytestmark = pytest.mark.timeout(180)
 BIG = 120 * 1024 * 1024

@@ -23,9 +23,9 @@ import pika
 import pytest
 
 from compat_tests.mgmt_http import Mgmt, q, wait_http
-from core.grpc_api import leveret_pb2 as pb
-from core.grpc_api import leveret_pb2_grpc as pb_grpc
 from harness.node import NodeProcess
+from leveret_client.proto import leveret_pb2 as pb
+from leveret_client.proto import leveret_pb2_grpc as pb_grpc
 
 pytestmark = pytest.mark.timeout(120)
 VHOST = "tenant"
