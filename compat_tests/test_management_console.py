@@ -8,6 +8,7 @@ import time
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
+from urllib.parse import quote
 
 import pytest
 
@@ -412,3 +413,84 @@ def test_console_admin_forms_and_paged_queues(mgmt: Mgmt, tmp_path: Path) -> Non
     mgmt.request("DELETE", f"/api/exchanges/%2F/{x}")
     mgmt.request("DELETE", f"/api/policies/%2F/p-{tag}")
     mgmt.request("DELETE", f"/api/operator-policies/%2F/op-{tag}")
+
+
+def test_console_connection_page_charts_its_rates(mgmt: Mgmt, tmp_path: Path) -> None:
+    """A connection's page charts its data and message rates from the node's samples of it (kept
+    from the first time the page is shown) while a pika client publishes and gets on it."""
+    leveret_only(mgmt)
+    import threading
+
+    import pika
+
+    sync_api = pytest.importorskip("playwright.sync_api", reason="playwright is not installed")
+    tag = f"charted-{uuid.uuid4().hex[:6]}"
+    stop = threading.Event()
+    failures: list[BaseException] = []
+
+    def client() -> None:
+        params = pika.URLParameters(mgmt.amqp_url)
+        params.client_properties = {"connection_name": tag}
+        try:
+            conn = pika.BlockingConnection(params)
+            ch = conn.channel()
+            ch.queue_declare(tag, auto_delete=True)
+            ch.confirm_delivery()
+            while not stop.is_set():
+                for _ in range(5):
+                    ch.basic_publish("", tag, b"x" * 512)
+                ch.basic_get(tag, auto_ack=True)
+                conn.sleep(0.05)
+            conn.close()
+        except BaseException as exc:  # seen by the test, not lost in the thread
+            failures.append(exc)
+
+    thread = threading.Thread(target=client, daemon=True)
+    thread.start()
+    try:
+        deadline = time.monotonic() + 15
+        name = None
+        while name is None and time.monotonic() < deadline:
+            for c in mgmt.get("/api/connections"):
+                if (c.get("client_properties") or {}).get("connection_name") == tag:
+                    name = c["name"]
+            time.sleep(0.2)
+        assert name is not None, f"the publisher's connection is not listed: {failures}"
+        with sync_api.sync_playwright() as p:
+            browser = p.chromium.launch(executable_path=CHROMIUM,
+                                        args=["--no-sandbox", "--disable-gpu", "--disable-background-networking"])
+            try:
+                page = browser.new_page(viewport={"width": 1280, "height": 900})
+                errors: list[str] = []
+                page.on("pageerror", lambda exc: errors.append(str(exc)))
+                page.goto(mgmt.base + "/")
+                page.fill("input[name=username]", "guest")
+                page.fill("input[name=password]", "guest")
+                page.click("#login button")
+                page.wait_for_selector("#totals")
+                page.click("a[href='#/connections']")
+                page.locator("#connections tr", has_text=name).locator("a.connection-link").click()
+                page.wait_for_selector(f"#connection-heading:has-text('Connection {name}')")
+                # The node samples every 5 s and the page refreshes every 5 s: three points within ~20 s.
+                # (A polling loop: the console's CSP forbids wait_for_function's string evaluation.)
+                deadline = time.monotonic() + 30
+                while int(page.get_attribute("#connection-octets-chart", "data-points") or 0) < 3:
+                    assert time.monotonic() < deadline, "the connection's chart got no points"
+                    page.wait_for_timeout(500)
+                assert int(page.get_attribute("#connection-rates-chart", "data-points") or 0) >= 3
+                assert page.locator("#connection-channels tbody tr").count() == 1
+                kept = mgmt.get(f"/api/leveret/samples?connection={quote(name)}")["samples"]
+                assert len(kept) >= 3
+                last = kept[-1]
+                assert last["recv_oct_rate"] > 0 and last["send_oct_rate"] > 0
+                assert last["publish_rate"] > 0 and last["confirm_rate"] > 0 and last["get_no_ack_rate"] > 0
+                shot = tmp_path / "console-connection.png"
+                page.screenshot(path=str(shot), full_page=True)
+                print(f"\nconsole screenshot: {shot}")
+                assert errors == []
+            finally:
+                browser.close()
+    finally:
+        stop.set()
+        thread.join(timeout=10)
+    assert failures == []

@@ -149,7 +149,14 @@ class RateSampler:
         if proto is None:
             return None
         rates = self.rates(("c", id(proto)), 2)
-        return {"recv_oct_rate": rates[0], "send_oct_rate": rates[1], "channels": len(proto.conn.channels)}
+        point = {"recv_oct_rate": rates[0], "send_oct_rate": rates[1], "channels": len(proto.conn.channels)}
+        # Its channels' message rates summed (RabbitMQ's connection page charts them the same way); a
+        # channel closed since the last sample no longer counts.
+        total = [0.0] * len(NODE_FIELDS)
+        for ch in proto.conn.channels.values():
+            add_stats(total, self.rates(("ch", id(ch)), len(NODE_FIELDS)))
+        point.update({f + "_rate": round(r, 1) for f, r in zip(NODE_FIELDS, total, strict=True)})
+        return point
 
     def watch(self, key: Key) -> list[tuple[float, dict[str, float]]]:
         """This object's samples so far; from now on each sample keeps one more (for WATCHED objects)."""

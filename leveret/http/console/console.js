@@ -72,8 +72,10 @@ function drawChart(canvas, samples, series, unit) {
   const max = Math.max(1e-9, ...samples.flatMap((p) => series.map(([k]) => p[k] || 0)));
   ctx.clearRect(0, 0, w, h);
   ctx.font = "11px sans-serif"; ctx.fillStyle = "#555"; ctx.strokeStyle = "#ccc";
-  const fmt = unit === "bytes" ? bytes : (v) => (Math.round(v * 10) / 10).toLocaleString();
-  ctx.fillText(fmt(max) + (unit && unit !== "bytes" ? " " + unit : ""), 2, top);
+  // unit: "bytes", "bytes/s" (sizes in KiB, MiB...) or a word written after the top value.
+  const sized = unit && unit.startsWith("bytes");
+  const fmt = sized ? bytes : (v) => (Math.round(v * 10) / 10).toLocaleString();
+  ctx.fillText(fmt(max) + (sized ? unit.slice(5) : unit ? " " + unit : ""), 2, top);
   ctx.fillText("0", 2, h - bottom);
   ctx.beginPath(); ctx.moveTo(left, top); ctx.lineTo(left, h - bottom); ctx.lineTo(w - right, h - bottom); ctx.stroke();
   if (!samples.length) { ctx.fillText("no samples yet", left + 8, h / 2); return; }
@@ -81,7 +83,8 @@ function drawChart(canvas, samples, series, unit) {
   const x = (t) => left + ((t - t0) / (t1 - t0)) * (w - left - right);
   const y = (v) => h - bottom - (v / max) * (h - bottom - top);
   const clock = (t) => new Date(t).toLocaleTimeString([], { hour: "2-digit", minute: "2-digit", second: "2-digit" });
-  [t0, (t0 + t1) / 2, t1].forEach((t, i) => ctx.fillText(clock(t), Math.min(w - 60, x(t) - (i ? 30 : 0)), h - 4));
+  [t0, (t0 + t1) / 2, t1].forEach((t, i) => ctx.fillText(clock(t),
+    Math.min(w - ctx.measureText(clock(t)).width - 2, x(t) - (i ? 30 : 0)), h - 4));
   series.forEach(([k, color, label], i) => {
     ctx.strokeStyle = color; ctx.beginPath();
     samples.forEach((p, j) => (j ? ctx.lineTo(x(p.timestamp), y(p[k] || 0)) : ctx.moveTo(x(p.timestamp), y(p[k] || 0))));
@@ -314,7 +317,8 @@ const views = {
 
   async connections() {
     return pagedList("connections", "/connections", "connections", [
-      ["Name", "name"], ["User", "user"], ["Vhost", "vhost"], ["State", "state"], ["Channels", "channels", true],
+      ["Name", "name", false, (c) => el("a", { href: `#/connection/${enc(c.name)}`, class: "connection-link" }, c.name)],
+      ["User", "user"], ["Vhost", "vhost"], ["State", "state"], ["Channels", "channels", true],
       ["Client", "client_properties", false, (c) => (c.client_properties || {}).product || ""],
       ["Received/s", "recv_oct_details.rate", true], ["Sent/s", "send_oct_details.rate", true],
       ["", "peer_port", false, (c) => el("button", { class: "close-connection", onclick: async () => {
@@ -323,6 +327,36 @@ const views = {
         await act(() => api("DELETE", `/connections/${enc(c.name)}`, undefined, { "X-Reason": reason }), "Closed");
       } }, "Close")],
     ]);
+  },
+
+  async connection(name) {
+    const path = `/connections/${enc(name)}`;
+    const [c, chans, hist] = await Promise.all([api("GET", path), api("GET", path + "/channels").catch(() => []),
+      api("GET", `/leveret/samples?connection=${enc(name)}`).catch(() => ({ samples: [] }))]);
+    // The node keeps this connection's samples from the first time its page is shown (the last 10 minutes);
+    // its message rates are its channels' summed.
+    const octets = chartCard("connection-octets-chart", "Data rates", hist.samples,
+      [["recv_oct_rate", "#2b6cb0", "received"], ["send_oct_rate", "#c05621", "sent"]], "bytes/s");
+    const msgs = chartCard("connection-rates-chart", "Message rates", hist.samples, [["publish_rate", "#2b6cb0",
+      "publish"], ["confirm_rate", "#6b46c1", "confirm"], ["deliver_get_rate", "#c05621", "deliver/get"],
+      ["ack_rate", "#2f855a", "ack"], ["redeliver_rate", "#b00020", "redeliver"]], "msg/s");
+    const client = c.client_properties || {};
+    return { view: [
+      el("h2", { id: "connection-heading" }, `Connection ${name}`),
+      el("div", { class: "card totals", id: "connection-totals" },
+        [["User", c.user], ["Vhost", c.vhost], ["State", c.state], ["Channels", c.channels],
+         ["Received/s", bytes(rate(c, "recv_oct")) + "/s"], ["Sent/s", bytes(rate(c, "send_oct")) + "/s"],
+         ["Received", bytes(c.recv_oct)], ["Sent", bytes(c.send_oct)]]
+          .map(([k, v]) => el("div", {}, el("b", {}, v), k))),
+      el("p", {}, `client: ${client.product || "?"} ${client.version || ""}, protocol: ${c.protocol}, ` +
+        `heartbeat: ${c.timeout} s, frame max: ${c.frame_max}`),
+      el("div", { class: "charts", id: "connection-charts" }, octets.card, msgs.card),
+      el("h3", {}, "Channels"),
+      table("connection-channels", [["Channel", (ch) => ch.number, true], ["Consumers", (ch) => ch.consumer_count, true],
+        ["Unacked", (ch) => ch.messages_unacknowledged, true], ["Prefetch", (ch) => ch.prefetch_count, true],
+        ["Confirm", (ch) => String(ch.confirm)], ["Publish/s", (ch) => rate(ch.message_stats, "publish"), true],
+        ["Deliver/s", (ch) => rate(ch.message_stats, "deliver_get"), true]], chans, "connection-channels"),
+    ], after: () => { octets.draw(); msgs.draw(); } };
   },
 
   async channels() {
