@@ -197,16 +197,20 @@ class TopicExchange(Exchange):
     """Routed through a trie of the binding patterns' words (core/engine/topic.py).
 
     A publish costs the branches its key's words select, not a match per
-    binding; a bind or unbind edits one path of the trie. Keys that repeat
-    are answered from a cache (measured: a trie walk over the ten patterns of
-    bench's ``topic`` scenario takes 4.3 us, a cache hit 0.03 us). A binding
-    change drops only the cached keys it can affect: the key itself for a
-    pattern without wildcards, else the keys sharing the pattern's literal
-    first one or two words (everything only when it starts with a wildcard).
+    binding; a bind or unbind edits one path of the trie. Keys whose walk is
+    long are answered from a cache when they come again (measured: a walk
+    over the ten patterns of bench's ``topic`` scenario takes 4.3 us, a cache
+    hit 0.03 us; a short walk such as ``dev.N.*``'s four steps, 1 us, is not
+    cached: filing it would cost as much). A binding change drops only the
+    cached keys it can affect: the key itself for a pattern without
+    wildcards, else the keys sharing the pattern's literal first one or two
+    words (everything only when it starts with a wildcard).
     """
 
     type = "topic"
     _CACHE_MAX = 10_000
+    # A walk this short costs about what filing its answer in the cache does (1 us): not worth it.
+    _CACHE_FROM_STEPS = 6
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         self._trie: TopicTrie[Destination] = TopicTrie()
@@ -256,7 +260,10 @@ class TopicExchange(Exchange):
         hit = self._cache.get(routing_key)
         if hit is not None:
             return hit
-        result = tuple(self._trie.match(routing_key))
+        found, steps = self._trie.walk(routing_key)
+        result = tuple(found)
+        if steps <= self._CACHE_FROM_STEPS:
+            return result
         if len(self._cache) >= self._CACHE_MAX or self._indexed >= 3 * self._CACHE_MAX:
             self._forget_all()
         self._cache[routing_key] = result
@@ -310,17 +317,21 @@ def _criteria_met(criteria: _Criteria, headers: dict[str, Any]) -> bool:
 
 
 class HeadersExchange(Exchange):
-    """Bindings are indexed by the header names they compare, so a message is
-    checked only against bindings that name one of its headers: an ``all``
-    binding under one of its names (it needs them all), an ``any`` binding
-    under each. An ``all`` binding with nothing to compare takes every
+    """Bindings are indexed by what they compare, so a message is checked only
+    against bindings one of its headers can satisfy: a header compared with a
+    value under (name, value), one compared for presence only (a void value)
+    under its name. An ``all`` binding needs every pair, so one entry serves
+    (a valued pair where it has one: more selective); an ``any`` binding has
+    an entry per pair. An ``all`` binding with nothing to compare takes every
     message; an ``any`` binding with nothing to compare takes none."""
 
     type = "headers"
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         self._criteria: dict[tuple[Any, ...], _Criteria] = {}  # binding key -> what it compares
-        self._by_header: dict[str, dict[tuple[Any, ...], Binding]] = {}
+        self._by_pair: dict[tuple[str, Any], dict[tuple[Any, ...], Binding]] = {}  # (name, frozen value)
+        self._by_name: dict[str, dict[tuple[Any, ...], Binding]] = {}  # presence only
+        self._names: dict[str, int] = {}  # header names in either index, with how many entries name each
         self._everything: dict[tuple[Any, ...], Binding] = {}
         super().__init__(*args, **kwargs)
 
@@ -332,30 +343,50 @@ class HeadersExchange(Exchange):
             )
         return super().add_binding(binding)
 
-    def _index_names(self, criteria: _Criteria) -> tuple[str, ...]:
+    @staticmethod
+    def _entries(criteria: _Criteria) -> list[tuple[str, Any]]:
+        """(name, frozen value) pairs the binding is filed under; value None: presence only."""
         match_all, wanted = criteria
-        return (wanted[0][0],) if match_all else tuple({k: None for k, _ in wanted})
+        if match_all:
+            valued = [(k, v) for k, v in wanted if v is not None]
+            pairs = [(valued or list(wanted))[0]] if wanted else []
+        else:
+            pairs = list(wanted)
+        return list({(k, _freeze(v)): None for k, v in pairs})
+
+    def _file(self, binding: Binding, criteria: _Criteria, add: bool) -> None:
+        for name, value in self._entries(criteria):
+            index: dict[Any, dict[tuple[Any, ...], Binding]] = self._by_name if value is None else self._by_pair
+            slot: Any = name if value is None else (name, value)
+            if add:
+                index.setdefault(slot, {})[binding.key] = binding
+                self._names[name] = self._names.get(name, 0) + 1
+            else:
+                filed = index[slot]
+                del filed[binding.key]
+                if not filed:
+                    del index[slot]
+                self._names[name] -= 1
+                if not self._names[name]:
+                    del self._names[name]
 
     def _added(self, binding: Binding) -> None:
         criteria = self._criteria[binding.key] = _criteria(binding.arguments)
         if criteria[0] and not criteria[1]:
             self._everything[binding.key] = binding
-            return
-        for name in self._index_names(criteria) if criteria[1] else ():
-            self._by_header.setdefault(name, {})[binding.key] = binding
+        else:
+            self._file(binding, criteria, add=True)
 
     def _removed(self, binding: Binding) -> None:
         criteria = self._criteria.pop(binding.key)
-        self._everything.pop(binding.key, None)
-        for name in self._index_names(criteria) if criteria[1] else ():
-            indexed = self._by_header[name]
-            del indexed[binding.key]
-            if not indexed:
-                del self._by_header[name]
+        if self._everything.pop(binding.key, None) is None:
+            self._file(binding, criteria, add=False)
 
     def _rebuild(self) -> None:
         self._criteria.clear()
-        self._by_header.clear()
+        self._by_pair.clear()
+        self._by_name.clear()
+        self._names.clear()
         self._everything.clear()
         for b in self.bindings.values():
             self._added(b)
@@ -364,18 +395,24 @@ class HeadersExchange(Exchange):
         found: dict[int, Destination] = {}
         for b in self._everything.values():
             found.setdefault(id(b.destination), b.destination)
-        if not self._by_header:
+        if not self._names:
             return list(found.values())
         headers = message.headers
         # Walk the shorter side: the message's headers or the names bindings compare.
-        if len(headers) <= len(self._by_header):
-            names = [n for n in headers if n in self._by_header]
+        if len(headers) <= len(self._names):
+            names = [n for n in headers if n in self._names]
         else:
-            names = [n for n in self._by_header if n in headers]
+            names = [n for n in self._names if n in headers]
         for name in names:
-            for key, b in self._by_header[name].items():
-                if id(b.destination) not in found and _criteria_met(self._criteria[key], headers):
-                    found[id(b.destination)] = b.destination
+            candidates = [self._by_name.get(name)]
+            try:
+                candidates.append(self._by_pair.get((name, _freeze(headers[name]))))
+            except TypeError:
+                pass  # a value that cannot be a dict key cannot equal a binding's (they are all frozen)
+            for filed in candidates:
+                for key, b in (filed or {}).items():
+                    if id(b.destination) not in found and _criteria_met(self._criteria[key], headers):
+                        found[id(b.destination)] = b.destination
         return list(found.values())
 
 

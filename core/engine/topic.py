@@ -154,7 +154,11 @@ class TopicTrie(Generic[T]):
         self._count = 0
 
     def match(self, routing_key: str) -> list[T]:
-        """The values bound under every pattern ``routing_key`` matches, each value once (by identity).
+        """The values bound under every pattern ``routing_key`` matches, each value once (by identity)."""
+        return self.walk(routing_key)[0]
+
+    def walk(self, routing_key: str) -> tuple[list[T], int]:
+        """``match``, and how many (node, position) steps it took: what caching the answer would save.
 
         Each (trie node, word position) pair is visited at most once: a node
         other than a ``#`` node is reached only from its parent one word
@@ -168,8 +172,10 @@ class TopicTrie(Generic[T]):
         entered: set[tuple[_Node, int]] | None = None
         stack = [(self._root, 0)]
         pop, push = stack.pop, stack.append
+        steps = 0
         while stack:
             node, i = pop()
+            steps += 1
             if i == n:
                 if node.bound:
                     for v in node.bound.values():
@@ -192,4 +198,4 @@ class TopicTrie(Generic[T]):
                         break  # whoever entered at j also entered at every later position
                     entered.add(state)
                     push(state)
-        return list(found.values())
+        return list(found.values()), steps
