@@ -31,8 +31,11 @@ def split_words(text: str) -> list[str]:
 
 def pattern_words(pattern: str) -> list[str]:
     """The words of a binding pattern with runs of ``#`` collapsed (``#.#`` matches what ``#`` does)."""
+    words = pattern.split(".") if pattern else []
+    if "#.#" not in pattern:
+        return words  # no run to collapse (the usual case, checked without a loop)
     out: list[str] = []
-    for w in split_words(pattern):
+    for w in words:
         if w == "#" and out and out[-1] == "#":
             continue
         out.append(w)
@@ -99,21 +102,22 @@ class TopicTrie(Generic[T]):
         """Bind ``value`` under ``pattern``; ``key`` names this binding for ``remove``."""
         node = self._root
         for w in pattern_words(pattern):
-            if w == "#":
-                if node.hash is None:
-                    node.hash = _Node()
-                node = node.hash
+            if w != "#" and w != "*":
+                words = node.words
+                if words is None:
+                    words = node.words = {}
+                child = words.get(w)
+                if child is None:
+                    child = words[w] = _Node()
+                node = child
             elif w == "*":
                 if node.star is None:
                     node.star = _Node()
                 node = node.star
             else:
-                if node.words is None:
-                    node.words = {}
-                child = node.words.get(w)
-                if child is None:
-                    child = node.words[w] = _Node()
-                node = child
+                if node.hash is None:
+                    node.hash = _Node()
+                node = node.hash
         if node.bound is None:
             node.bound = {}
         if key not in node.bound:
@@ -123,18 +127,26 @@ class TopicTrie(Generic[T]):
     def remove(self, pattern: str, key: Hashable) -> bool:
         """Unbind; False when there is no such binding. Emptied nodes go: the trie stays as small as its bindings."""
         path: list[tuple[_Node, str]] = []
-        node: _Node | None = self._root
+        node = self._root
         for w in pattern_words(pattern):
-            assert node is not None
             path.append((node, w))
-            node = node.hash if w == "#" else node.star if w == "*" else (node.words or {}).get(w)
-            if node is None:
+            if w == "#":
+                child = node.hash
+            elif w == "*":
+                child = node.star
+            else:
+                child = node.words.get(w) if node.words is not None else None
+            if child is None:
                 return False
-        assert node is not None
-        if not node.bound or key not in node.bound:
+            node = child
+        bound = node.bound
+        if not bound or key not in bound:
             return False
-        del node.bound[key]
+        del bound[key]
         self._count -= 1
+        if bound:
+            return True
+        node.bound = None
         while path and node.empty():
             parent, w = path.pop()
             if w == "#":
