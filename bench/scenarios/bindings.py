@@ -152,24 +152,35 @@ async def _flood(spec: FloodSpec, counters: Counters, pipe: Pipe) -> dict[str, A
 
 
 async def _settle(target: Target, queues: tuple[str, ...], timeout: float) -> float:
-    """Wait until the broker answers a new connection again; seconds it took.
+    """Wait until the broker has routed everything the unpaced phase sent; seconds it took.
 
-    After the unpaced phase a broker that routes slower than the producer
-    wrote still has the socket buffers' worth of publishes to route (at 772
-    msg/s, tens of seconds); the next phase must not start before it is done.
+    A broker that routes slower than the producer wrote still has the socket
+    buffers' worth of publishes to route after the producer left (at 772
+    msg/s, tens of seconds), and answers other connections meanwhile; the
+    next phase must not start before it is done. Done: the queues' message
+    counts (no consumers now) stay the same for a second.
     """
     start = time.monotonic()
+    last = -1
     while True:
         try:
             conn = await Connection.open(target.url, timeout=10.0)
             try:
                 ch = await open_channel(conn)
-                for q in queues:  # answered once whatever was read before it is routed
-                    await conn.rpc(ch, commands.Queue.Declare(queue=q, passive=True), timeout=timeout)
+                while True:
+                    total = 0
+                    for q in queues:
+                        ok = await conn.rpc(ch, commands.Queue.Declare(queue=q, passive=True), timeout=timeout)
+                        total += int(getattr(ok, "message_count", 0))
+                    if total == last:
+                        return time.monotonic() - start - 1.0
+                    if time.monotonic() - start > timeout:
+                        raise TimeoutError(f"queues still growing after {timeout:.0f} s")
+                    last = total
+                    await asyncio.sleep(1.0)
             finally:
                 await conn.close()
-            return time.monotonic() - start
-        except (TimeoutError, OSError):
+        except OSError:
             if time.monotonic() - start > timeout:
                 raise
 
