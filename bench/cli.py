@@ -8,7 +8,7 @@ import sys
 from bench.report import render_table, to_json, write_json
 from bench.results import RunOptions
 from bench.runner import run_all
-from bench.scenarios import SCENARIOS
+from bench.scenarios import OPT_IN, SCENARIOS
 from bench.target import BrokerUrl, Target, parse_named
 
 
@@ -22,7 +22,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--pid", action="append", default=[], metavar="NAME=PID",
                    help="broker PID for idle_conn_memory; PID may be 'auto' (owner of the URL's port)")
     p.add_argument("--scenario", action="append", choices=list(SCENARIOS), metavar="NAME",
-                   help=f"scenario to run (repeatable; default all): {', '.join(SCENARIOS)}")
+                   help=f"scenario to run (repeatable; default all but {', '.join(sorted(OPT_IN))}): "
+                        f"{', '.join(SCENARIOS)}")
     p.add_argument("--duration", type=float, default=5.0, help="measured seconds per scenario (default 5)")
     p.add_argument("--warmup", type=float, default=1.0, help="unmeasured seconds before that (default 1)")
     p.add_argument("--idle-connections", type=int, default=500, help="connections for idle_conn_memory")
@@ -60,7 +61,8 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("--duration must be > 0, --warmup >= 0, --repeat >= 1")
     # Always registry order: idle_conn_memory must run before the scenarios that
     # grow the broker's heap, or RSS reuses freed memory and the delta reads ~0.
-    scenarios = [name for name in SCENARIOS if not args.scenario or name in args.scenario]
+    scenarios = [name for name in SCENARIOS if name in args.scenario] if args.scenario else \
+        [name for name in SCENARIOS if name not in OPT_IN]
     opts = RunOptions(duration=args.duration, warmup=args.warmup, idle_connections=args.idle_connections)
     outcomes = run_all(scenarios, targets, opts, repeat=args.repeat)
     print(render_table(scenarios, targets, outcomes, opts))

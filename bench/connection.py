@@ -214,6 +214,12 @@ class Connection(asyncio.Protocol):
             raise AmqpError(f"{method.name}: unexpected reply {reply.name}")
         return reply
 
+    def request_raw(self, channel: int, frames: bytes, count: int) -> list[asyncio.Future[Frame]]:
+        """Write ``count`` encoded synchronous methods at once without waiting; their replies' futures, in order."""
+        futures = [self._expect(channel) for _ in range(count)]
+        self.write(frames)
+        return futures
+
     async def wait_confirmed(self, target: int, timeout: float | None = None) -> None:
         """Wait until at least ``target`` publishes have been confirmed (acked or nacked)."""
         while self.scanner.confirms.confirmed < target:

@@ -157,3 +157,16 @@ def test_scanner_heartbeat_and_bad_frame_end() -> None:
 )
 def test_topic_matches(pattern: str, key: str, expected: bool) -> None:
     assert topic_matches(pattern, key) is expected
+
+
+def test_queue_bind_and_unbind_decode_with_pamqp() -> None:
+    from pamqp import commands, frame
+
+    from bench.codec import encode_queue_bind
+
+    for unbind, cls in ((False, commands.Queue.Bind), (True, commands.Queue.Unbind)):
+        raw = encode_queue_bind(3, "q", "x", "dev.1.*", unbind=unbind)
+        consumed, channel, method = frame.unmarshal(raw)
+        assert (consumed, channel) == (len(raw), 3)
+        assert isinstance(method, cls)
+        assert (method.queue, method.exchange, method.routing_key, method.arguments) == ("q", "x", "dev.1.*", {})

@@ -6,7 +6,7 @@ from collections.abc import Callable
 from functools import partial
 
 from bench.results import Metric, RunOptions
-from bench.scenarios import confirm_latency, flood, idle_memory, latency, stream
+from bench.scenarios import bindings, confirm_latency, flood, idle_memory, latency, stream
 from bench.scenarios.throughput import PLANS, run_plan
 from bench.target import Target
 
@@ -35,4 +35,12 @@ SCENARIOS: dict[str, ScenarioFn] = {
     "persistent": _persistent,
     "persistent_1mib": partial(run_plan, PLANS["persistent_1mib"]),
     "stream": stream.run,
+    # Topic routing with 100 / 10,000 / 100,000 bindings (issue 25): OPT_IN.
+    "bindings_100": partial(bindings.run, "bindings_100"),
+    "bindings_10k": partial(bindings.run, "bindings_10k"),
+    "bindings_100k": partial(bindings.run, "bindings_100k"),
 }
+
+# Run only when named with --scenario: binding 100,000 routes and tearing them down takes
+# minutes against a broker that routes by scanning, too long for a default run.
+OPT_IN = frozenset({"bindings_100", "bindings_10k", "bindings_100k"})

@@ -186,8 +186,7 @@ class VirtualHost:
         x.deleted = True
         self.exchanges.pop(x.name, None)
         self.policy_alternates.pop(x.name, None)
-        x.bindings.clear()
-        x.bindings_changed()
+        x.clear_bindings()
         if self.durability is not None:
             self.durability.exchange_deleted(self, x)
         # Bindings where this exchange is the destination go too.
