@@ -461,3 +461,43 @@ def test_vhost_user_login_and_retained_messages_of_another_vhost(tmp_path: Path)
         guest.close()
     finally:
         n.cleanup()
+
+
+def test_management_api_lists_and_closes_mqtt_connections(node: NodeProcess) -> None:
+    """/api/connections shows MQTT connections as RabbitMQ's MQTT plugin does (checked against
+    RabbitMQ 3.10.8: protocol "MQTT 3.1.1", client_properties {"client_id", "product": "MQTT client"}),
+    and DELETE closes one: a v5 client reads reason 0x98 (administrative action)."""
+    from compat_tests.mgmt_http import Mgmt, q, wait_http
+
+    mgmt = Mgmt(f"http://127.0.0.1:{node.management_port}", "guest", "guest", node.url, leveret=True)
+    wait_http(mgmt)
+    old = Client(node.mqtt_port, client_id="mgmt-311", protocol=V311)
+    new = Client(node.mqtt_port, client_id="mgmt-5", protocol=V5)
+    try:
+        rows = {c["client_properties"].get("client_id"): c for c in mgmt.get("/api/connections")
+                if c["protocol"].startswith("MQTT")}
+        assert rows.keys() >= {"mgmt-311", "mgmt-5"}
+        a, b = rows["mgmt-311"], rows["mgmt-5"]
+        assert a["protocol"] == "MQTT 3.1.1" and b["protocol"] == "MQTT 5.0"
+        assert a["client_properties"] == {"client_id": "mgmt-311", "product": "MQTT client"}
+        local = old.client.socket().getsockname()  # type: ignore[union-attr]
+        assert (a["user"], a["vhost"], a["peer_host"], a["peer_port"]) == ("guest", "/", "127.0.0.1", local[1])
+        assert a["port"] == node.mqtt_port and a["state"] == "running" and a["ssl"] is False
+        assert a["name"] == f"127.0.0.1:{local[1]} -> 127.0.0.1:{node.mqtt_port}"
+        assert [c["name"] for c in mgmt.get("/api/vhosts/%2F/connections")].count(a["name"]) == 1
+        assert mgmt.get(f"/api/connections/{q(b['name'])}")["client_properties"]["client_id"] == "mgmt-5"
+        assert mgmt.request("GET", f"/api/connections/{q(b['name'])}/channels").status == 404
+
+        mgmt.ok("DELETE", f"/api/connections/{q(b['name'])}", headers={"X-Reason": "maintenance"})
+        assert new.disconnected.wait(TIMEOUT)
+        assert int(new.disconnect_reason.value) == 0x98  # type: ignore[attr-defined]
+        mgmt.ok("DELETE", f"/api/connections/{q(a['name'])}")
+        assert old.disconnected.wait(TIMEOUT)
+        deadline = time.monotonic() + TIMEOUT
+        while any(c["name"] in (a["name"], b["name"]) for c in mgmt.get("/api/connections")):
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+        assert mgmt.request("GET", f"/api/connections/{q(a['name'])}").status == 404
+    finally:
+        old.close()
+        new.close()

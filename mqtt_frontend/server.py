@@ -26,9 +26,14 @@ class Link:
     """
 
     def __init__(self, server: MQTTServer, conn: MqttConnection, write: Callable[[bytes], None],
-                 close: Callable[[], None], set_reading: Callable[[bool], None]) -> None:
+                 close: Callable[[], None], set_reading: Callable[[bool], None],
+                 local: tuple[str, int] | None = None, tls: bool = False, transport: str = "tcp") -> None:
         self.server = server
         self.conn = conn
+        # What the management API shows of the socket: the listener's address, TLS or not, tcp/websocket.
+        self.local = local
+        self.tls = tls
+        self.transport = transport
         self._write = write
         self._close = close
         self._set_reading = set_reading
@@ -133,8 +138,10 @@ class MQTTProtocol(asyncio.Protocol):
         conn = MqttConnection(self.server.broker, self.server.sessions, self.server.settings,
                               peer=(peer[0], peer[1]) if peer else None, peer_identity=identity)
         tr.set_write_buffer_limits(high=1024 * 1024, low=256 * 1024)  # type: ignore[attr-defined]
+        local = transport.get_extra_info("sockname")
         self.link = Link(self.server, conn, tr.write, self._close,  # type: ignore[attr-defined]
-                         lambda on: tr.resume_reading() if on else tr.pause_reading())  # type: ignore[attr-defined]
+                         lambda on: tr.resume_reading() if on else tr.pause_reading(),  # type: ignore[attr-defined]
+                         local=(local[0], local[1]) if local else None, tls=tls is not None)
         self.server.broker.stats.connections_opened += 1
 
     def _close(self) -> None:

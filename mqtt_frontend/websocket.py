@@ -52,7 +52,11 @@ class WebSocketListener:
             else:
                 reading.clear()
 
-        link = Link(self.server, conn, outbox.put_nowait, lambda: outbox.put_nowait(None), set_reading)
+        tr = request.transport
+        local = tr.get_extra_info("sockname") if tr is not None else None
+        link = Link(self.server, conn, outbox.put_nowait, lambda: outbox.put_nowait(None), set_reading,
+                    local=(local[0], local[1]) if local else None,
+                    tls=tr is not None and tr.get_extra_info("ssl_object") is not None, transport="websocket")
 
         async def writer() -> None:
             while (data := await outbox.get()) is not None:

@@ -13,11 +13,13 @@ if TYPE_CHECKING:
     from leveret.links.federation.manager import FederationManager
     from leveret.links.shovel.manager import ShovelManager
     from leveret.node.config import NodeConfig
+    from mqtt_frontend.server import MQTTServer
 
 
 class NodeView(Protocol):
     broker: Broker
     amqp: AMQPServer
+    mqtt: MQTTServer
     store: MessageStore | None
     config: NodeConfig
     # The links to the other nodes of a cluster (forwarding metrics); None on a single node.

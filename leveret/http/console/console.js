@@ -318,8 +318,13 @@ const views = {
   async connections() {
     return pagedList("connections", "/connections", "connections", [
       ["Name", "name", false, (c) => el("a", { href: `#/connection/${enc(c.name)}`, class: "connection-link" }, c.name)],
-      ["User", "user"], ["Vhost", "vhost"], ["State", "state"], ["Channels", "channels", true],
-      ["Client", "client_properties", false, (c) => (c.client_properties || {}).product || ""],
+      ["Protocol", "protocol"], ["User", "user"], ["Vhost", "vhost"], ["State", "state"],
+      ["Channels", "channels", true],
+      // An MQTT connection's client id, as RabbitMQ's MQTT plugin puts it in client_properties.
+      ["Client", "client_properties", false, (c) => {
+        const p = c.client_properties || {};
+        return p.client_id !== undefined ? `${p.product || ""} ${p.client_id}`.trim() : p.product || "";
+      }],
       ["Received/s", "recv_oct_details.rate", true], ["Sent/s", "send_oct_details.rate", true],
       ["", "peer_port", false, (c) => el("button", { class: "close-connection", onclick: async () => {
         const reason = prompt(`Close ${c.name}? Reason:`, "Closed via the Leveret console");
