@@ -376,6 +376,7 @@ class MqttConnection:
         host = self.peer[0] if self.peer else None
         # RabbitMQ's login forms: "vhost:user", else the listener's vhost.
         vhost_name = self.settings.vhost
+        self.sessions.auth_attempts += 1
         try:
             if c.username is None and self.peer_identity:
                 user = self.broker.authenticate_external(self.peer_identity, host)
@@ -387,6 +388,7 @@ class MqttConnection:
                 # The same check (and remembered logins) as the AMQP front end's PLAIN.
                 user = self.broker.authenticate(username, password, host)
         except AccessRefused as exc:
+            self.sessions.auth_failed += 1
             delay = self.broker.login_throttle.delay(host)
             text = exc.text
 

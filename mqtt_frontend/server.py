@@ -12,7 +12,7 @@ from typing import Any
 from amqp_frontend.tls_accept import TLSListener, peer_identity
 from core.engine.broker import Broker
 from mqtt_frontend import codec
-from mqtt_frontend.connection import MqttConnection, MqttSettings
+from mqtt_frontend.connection import MqttConnection, MqttSettings, State
 from mqtt_frontend.sessions import Sessions
 
 log = logging.getLogger("leveret.mqtt")
@@ -27,13 +27,15 @@ class Link:
 
     def __init__(self, server: MQTTServer, conn: MqttConnection, write: Callable[[bytes], None],
                  close: Callable[[], None], set_reading: Callable[[bool], None],
-                 local: tuple[str, int] | None = None, tls: bool = False, transport: str = "tcp") -> None:
+                 local: tuple[str, int] | None = None, tls: bool = False, transport: str = "tcp",
+                 buffered: Callable[[], int] = lambda: 0) -> None:
         self.server = server
         self.conn = conn
         # What the management API shows of the socket: the listener's address, TLS or not, tcp/websocket.
         self.local = local
         self.tls = tls
         self.transport = transport
+        self.buffered = buffered  # bytes written and not yet on the wire (the transport's buffer)
         self._write = write
         self._close = close
         self._set_reading = set_reading
@@ -141,7 +143,8 @@ class MQTTProtocol(asyncio.Protocol):
         local = transport.get_extra_info("sockname")
         self.link = Link(self.server, conn, tr.write, self._close,  # type: ignore[attr-defined]
                          lambda on: tr.resume_reading() if on else tr.pause_reading(),  # type: ignore[attr-defined]
-                         local=(local[0], local[1]) if local else None, tls=tls is not None)
+                         local=(local[0], local[1]) if local else None, tls=tls is not None,
+                         buffered=tr.get_write_buffer_size)  # type: ignore[attr-defined]
         self.server.broker.stats.connections_opened += 1
 
     def _close(self) -> None:
@@ -240,7 +243,12 @@ class MQTTServer:
         log.info("mqtts listening", extra={"host": host, "port": self.tls_port})
 
     def held_bytes(self) -> int:
-        return sum(link.conn.held_bytes() for link in list(self.links))
+        """What the memory alarm counts of MQTT: unparsed input, unflushed output, the transports' buffers."""
+        return sum(link.conn.held_bytes() + link.buffered() for link in list(self.links))
+
+    def open_links(self) -> list[Link]:
+        """Connections past CONNACK (what the management API lists and rabbitmq_connections counts)."""
+        return [link for link in list(self.links) if not link.closed and link.conn.state is State.OPEN]
 
     async def _tick_forever(self) -> None:
         while True:

@@ -27,6 +27,9 @@ class Sessions:
         # Wills waiting for their v5 delay; a reconnect of the client id within it cancels them.
         self.delayed_wills: dict[Key, TimerHandle] = {}
         self._retained: dict[str, Retained] = {}
+        # rabbitmq_auth_attempts_total{protocol="mqtt"} and its _succeeded/_failed (RabbitMQ 3.10's series).
+        self.auth_attempts = 0
+        self.auth_failed = 0
 
     def retained(self, vhost_name: str) -> Retained:
         r = self._retained.get(vhost_name)

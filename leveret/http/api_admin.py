@@ -153,7 +153,7 @@ def _node_json(call: Call) -> dict[str, Any]:
     return {
         "name": call.node_name, "type": "disc", "running": True, "os_pid": str(os.getpid()),
         # What the memory alarm compares with mem_limit (leveret/node/resources.py); RSS is mem_rss.
-        "mem_used": resources.memory_use(call.broker, call.node.amqp).total,
+        "mem_used": resources.memory_use(call.broker, call.node.amqp, call.node.mqtt).total,
         "mem_limit": watermark() if callable(watermark) else 0,
         "mem_alarm": call.broker.memory_alarm, "disk_free_alarm": call.broker.disk_alarm,
         "fd_used": resources.open_fds(),

@@ -13,7 +13,6 @@ from leveret.http.mqtt_views import mqtt_connection_json, mqtt_connection_name
 from leveret.http.responses import no_content
 from leveret.http.views import channel_json, connection_json, connection_name, consumers_json
 from mqtt_frontend import codec
-from mqtt_frontend.connection import State
 from mqtt_frontend.server import Link
 
 if TYPE_CHECKING:
@@ -56,9 +55,9 @@ def _open_mqtt(call: Call) -> list[Link]:
     """MQTT connections past CONNACK (TCP, TLS and WebSocket alike), by the same visibility rule."""
     vhost = call.vhost().name if "vhost" in call.params else None
     out = []
-    for link in list(call.node.mqtt.links):
+    for link in call.node.mqtt.open_links():
         conn = link.conn
-        if link.closed or conn.state is not State.OPEN or conn.vhost is None:
+        if conn.vhost is None:
             continue
         if vhost is not None and conn.vhost.name != vhost:
             continue

@@ -84,7 +84,7 @@ async def rabbitmqadmin(request: web.Request) -> web.StreamResponse:
 
 def memory_breakdown(call: Call) -> dict[str, Any]:
     """RabbitMQ's categories where Leveret has them; the rest of the process is ``other_proc``."""
-    use = resources.memory_use(call.broker, call.node.amqp)
+    use = resources.memory_use(call.broker, call.node.amqp, call.node.mqtt)
     rss = resources.rss_bytes()
     counted = use.total
     return {
@@ -221,7 +221,7 @@ def node_gauges(node: NodeView) -> dict[str, float]:
         fd_total = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
     except (OSError, ValueError):
         fd_total = 0
-    return {"mem_used": resources.memory_use(node.broker, node.amqp).total,
+    return {"mem_used": resources.memory_use(node.broker, node.amqp, node.mqtt).total,
             "mem_limit": watermark() if callable(watermark) else 0, "mem_rss": resources.rss_bytes(),
             "disk_free": disk_free, "disk_free_limit": disk_limit() if callable(disk_limit) else 0,
             "fd_used": resources.open_fds(), "fd_total": fd_total, "sockets_used": len(node.amqp.connections)}

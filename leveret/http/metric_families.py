@@ -107,6 +107,7 @@ class NodeCollector:
             yield from self._totals()
             yield from self._global_counters()
             yield from self._channel_counters()
+            yield from self._auth_attempts()
             yield from self._alarms()
             yield from self._raft()
             yield from self._leveret()
@@ -144,7 +145,9 @@ class NodeCollector:
         consumers = sum(
             len(ch.consumers) for vh in node.broker.vhosts.values() for q in vh.queues.values() for ch in q.channels
         )
-        yield GaugeMetricFamily("rabbitmq_connections", "Connections currently open", value=len(conns))
+        # MQTT connections count as RabbitMQ's MQTT plugin's do (they are connections, without channels).
+        yield GaugeMetricFamily("rabbitmq_connections", "Connections currently open",
+                                value=len(conns) + len(node.mqtt.open_links()))
         yield GaugeMetricFamily("rabbitmq_channels", "Channels currently open",
                                 value=sum(len(c.channels) for c in conns))
         yield GaugeMetricFamily("rabbitmq_consumers", "Consumers currently connected", value=consumers)
@@ -230,6 +233,19 @@ class NodeCollector:
             c.add_metric([PROTOCOL, QUEUE_TYPE], value)
             yield c
 
+    def _auth_attempts(self) -> Iterator[Metric]:
+        """RabbitMQ 3.10's login counters, by protocol; Leveret counts MQTT's (the AMQP front end does not yet)."""
+        s = self.node.mqtt.sessions
+        for name, help_, value in (
+            ("auth_attempts_total", "Total number of authorization attempts", s.auth_attempts),
+            ("auth_attempts_succeeded_total", "Total number of successful authentication attempts",
+             s.auth_attempts - s.auth_failed),
+            ("auth_attempts_failed_total", "Total number of failed authentication attempts", s.auth_failed),
+        ):
+            c = CounterMetricFamily("rabbitmq_" + name, help_, labels=["protocol"])
+            c.add_metric(["mqtt"], value)
+            yield c
+
     def _channel_counters(self) -> Iterator[Metric]:
         """channel_exchange_metrics and channel_queue_metrics, summed over the node (what /metrics shows)."""
         s = self.node.broker.stats
@@ -300,12 +316,12 @@ class NodeCollector:
         node = self.node
         yield GaugeMetricFamily(self._name("process_open_fds"), "Open file descriptors", value=resources.open_fds())
         yield GaugeMetricFamily(self._name("process_open_tcp_sockets"), "Open TCP sockets",
-                                value=len(node.amqp.connections))
+                                value=len(node.amqp.connections) + len(node.mqtt.links))
         # What the memory alarm counts against rabbitmq_resident_memory_limit_bytes (leveret/node/resources.py),
         # so the dashboards' "memory available before publishers blocked" (limit minus this) reaches 0 when
         # the alarm goes off; the process's RSS is leveret_process_resident_memory_bytes.
         yield GaugeMetricFamily(self._name("process_resident_memory_bytes"), "Memory used in bytes",
-                                value=resources.memory_use(node.broker, node.amqp).total)
+                                value=resources.memory_use(node.broker, node.amqp, node.mqtt).total)
         yield GaugeMetricFamily("leveret_process_resident_memory_bytes", "Resident set size of the node's process",
                                 value=resident_memory_bytes())
         try:
@@ -433,7 +449,7 @@ class NodeCollector:
         held = GaugeMetricFamily("leveret_memory_held_bytes", "What the memory alarm counts, by part "
                                  "(docs/AMQP.md, Resource alarms); compare with rabbitmq_process_resident_memory_bytes",
                                  labels=["part"])
-        use = resources.memory_use(node.broker, node.amqp)
+        use = resources.memory_use(node.broker, node.amqp, node.mqtt)
         held.add_metric(["bodies"], use.bodies)
         held.add_metric(["index"], use.index)
         held.add_metric(["partial_and_buffers"], use.partial_and_buffers)

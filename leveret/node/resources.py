@@ -19,13 +19,12 @@ from __future__ import annotations
 import os
 import re
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 from core.engine.paging import MESSAGE_BYTES, PAGED_INDEX_BYTES, PagedReady
 from core.engine.stream import StreamQueue
 
 if TYPE_CHECKING:
-    from amqp_frontend.server import AMQPServer
     from core.engine.broker import Broker
 
 DEFAULT_DISK_FREE_LIMIT = "50MB"  # RabbitMQ's default, 50,000,000 bytes
@@ -47,7 +46,13 @@ class MemoryUse:
         return self.bodies + self.index + self.partial_and_buffers
 
 
-def memory_use(broker: Broker, amqp: AMQPServer | None) -> MemoryUse:
+class Holder(Protocol):
+    """A front end's server: what its connections hold in buffers (AMQP, MQTT)."""
+
+    def held_bytes(self) -> int: ...
+
+
+def memory_use(broker: Broker, *front_ends: Holder | None) -> MemoryUse:
     bodies = 0
     messages = 0
     index_paged = 0
@@ -63,7 +68,7 @@ def memory_use(broker: Broker, amqp: AMQPServer | None) -> MemoryUse:
                 index_paged += paged
             if isinstance(q, StreamQueue):
                 bodies += q.mem_bytes  # a stream's retained newest bodies (core/engine/stream.py)
-    held = amqp.held_bytes() if amqp is not None else 0
+    held = sum(f.held_bytes() for f in front_ends if f is not None)
     return MemoryUse(bodies, messages * MESSAGE_BYTES + index_paged * PAGED_INDEX_BYTES, held)
 
 

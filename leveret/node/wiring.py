@@ -387,7 +387,7 @@ class Node:
 
     def queued_bytes(self) -> int:
         """What the memory alarm counts (leveret/node/resources.py): bodies, index, partial bodies, buffers."""
-        return resources.memory_use(self.broker, self.amqp).total
+        return resources.memory_use(self.broker, self.amqp, self.mqtt).total
 
     async def _watch_memory(self) -> None:
         """The memory and disk alarms (leveret/node/resources.py says what they count), every half second.
@@ -404,7 +404,7 @@ class Node:
             # cap pages the largest ones out before the alarm would block publishers.
             paging.enforce_node_cap((ch for vh in self.broker.vhosts.values() for q in vh.queues.values()
                                      for ch in q.channels), paging.settings.node_bytes)
-            use = resources.memory_use(self.broker, self.amqp)
+            use = resources.memory_use(self.broker, self.amqp, self.mqtt)
             used = use.total
             if used > limit and not self.broker.memory_alarm:
                 log.warning("memory high watermark reached", extra={
