@@ -95,6 +95,7 @@ class EtcdCoordinator(StoredMetadata):
         self.background: set[asyncio.Task[Any]] = set()  # fire-and-forget work, held until it ends
         self._tasks: list[asyncio.Task[Any]] = []
         self._hold_listeners: dict[str, list[Callable[[], None]]] = {}
+        self._taken_listeners: dict[str, list[Callable[[str, str, str, int], None]]] = {}
         self.stopping = False
         # Set by `leveret cluster drain` and at shutdown: take no queues, give them away.
         self.draining = False
@@ -288,6 +289,22 @@ class EtcdCoordinator(StoredMetadata):
 
     def on_holds_changed(self, kind: str, listener: Callable[[], None]) -> None:
         self._hold_listeners.setdefault(kind, []).append(listener)
+
+    async def take_hold(self, kind: str, vhost: str, name: str) -> int:
+        """Put the hold's key on our lease unconditionally; every node's watch sees the put (hold_taken)."""
+        if self.session.lease.lost or not self.session.lease_id:
+            raise ClusterUnavailable("no lease to hold on")
+        t = self.session.client.transactions
+        key = self.keys.hold(kind, vhost, name)
+        _, responses = await self.session.txn([], [t.put(key, self.node_id.encode(), lease=self.session.lease_id)])
+        return int(responses[0].response_put.header.revision)
+
+    def on_hold_taken(self, kind: str, listener: Callable[[str, str, str, int], None]) -> None:
+        self._taken_listeners.setdefault(kind, []).append(listener)
+
+    def hold_taken(self, kind: str, vhost: str, name: str, holder: str, revision: int) -> None:
+        for listener in list(self._taken_listeners.get(kind, ())):
+            listener(vhost, name, holder, revision)
 
     def holds_changed(self, kind: str | None) -> None:
         """Holds of ``kind`` (None: every kind) may have moved: their managers look again."""

@@ -98,7 +98,8 @@ class Mirror:
                 watch = await client.watch_prefix(c.keys.prefix.encode(), start_revision=self.revision + 1)
                 async for event in watch:
                     self.revision = max(self.revision, event.kv.mod_revision)
-                    self.apply_event(event.kind, event.kv.key, event.kv.value, event.kv.create_revision)
+                    self.apply_event(event.kind, event.kv.key, event.kv.value, event.kv.create_revision,
+                                     event.kv.mod_revision)
             except asyncio.CancelledError:
                 raise
             except Exception as exc:  # noqa: BLE001 - compaction, etcd restart: resync below
@@ -142,7 +143,7 @@ class Mirror:
                 seen_policies.add((key.parts[0], key.parts[1] == "operator", key.parts[2]))
             elif key.section == "parameters" and len(key.parts) == 3:
                 seen_parameters.add((key.parts[0], key.parts[1], key.parts[2]))
-            self.apply_event("PUT", kv.key, kv.value, kv.create_revision)
+            self.apply_event("PUT", kv.key, kv.value, kv.create_revision, kv.mod_revision)
         for node in list(self.nodes):
             if node not in seen_nodes:
                 self.apply_event("DELETE", c.keys.node(node), b"", 0)
@@ -173,7 +174,8 @@ class Mirror:
         finally:
             self.applying -= 1
 
-    def apply_event(self, kind: str, raw_key: bytes, value: bytes, create_revision: int) -> None:
+    def apply_event(self, kind: str, raw_key: bytes, value: bytes, create_revision: int,
+                    mod_revision: int = 0) -> None:
         c = self.c
         key = c.keys.parse(raw_key)
         if key is None:
@@ -209,6 +211,8 @@ class Mirror:
                 if put and key.parts[0] == c.node_id:
                     spawn(c.drainer.requested(raw_key), c.background)
             else:
+                if put and len(key.parts) == 2:  # mqtt/: which node took it, and when (take_hold)
+                    c.hold_taken(s, key.parts[0], key.parts[1], value.decode(), mod_revision)
                 c.holds_changed(s)  # shovels/, federation/: a hold was taken or went
         except Exception:  # a bad key must not stop the watch
             log.exception("cannot apply etcd event", extra={"key": raw_key.decode(errors="replace"), "kind": kind})

@@ -205,6 +205,12 @@ class LocalCoordinator(StoredMetadata):
     def on_holds_changed(self, kind: str, listener: Callable[[], None]) -> None:
         return None  # nothing ever moves away from the only node
 
+    async def take_hold(self, kind: str, vhost: str, name: str) -> int:
+        return 0
+
+    def on_hold_taken(self, kind: str, listener: Callable[[str, str, str, int], None]) -> None:
+        return None  # no other node takes anything
+
     # -- members --------------------------------------------------------------------------
     def owner_counts(self) -> dict[str, int]:
         """This node owns every queue (transient ones too, as a cluster's owner keys count them)."""

@@ -80,6 +80,8 @@ class ClusterNode(NodeProcess):
             "--amqp-port", str(self.amqp_port),
             "--grpc-port", str(self.grpc_port),
             "--management-port", str(self.management_port),
+            # MQTT only on a free port when asked (mqtt=True); never the default 1883.
+            "--mqtt-port", str(self.mqtt_port), "--mqtt-tls-port", "0", "--mqtt-ws-port", "0",
             "--data-dir", str(self.data_dir),
             "--log-format", "json",
             "--store", "postgres",
@@ -152,8 +154,10 @@ class Cluster:
         node_args: Sequence[str] = (),
         keep_workdir: bool | None = None,
         cluster_auth: Sequence[str] | None = None,
+        mqtt: bool = False,
     ) -> None:
         self.size = size
+        self.mqtt = mqtt  # nodes listen for MQTT on free ports (node.mqtt_port)
         self.name = name or f"t{uuid.uuid4().hex[:10]}"
         self.lease_ttl = lease_ttl
         self.regions = list(regions) if regions else ["r1"] * size
@@ -234,6 +238,7 @@ class Cluster:
         """A new member n<k+1>; started (and waited for until it is registered in etcd) unless start=False."""
         node_id = f"n{len(self.nodes) + 1}"
         node = ClusterNode(node_id, region, self, [*self.node_args, *extra_args])
+        node.mqtt = self.mqtt
         self.nodes[node_id] = node
         if start:
             node.start()

@@ -44,6 +44,7 @@ from core.ports.coordinator import Immediate
 from mqtt_frontend import codec, mapping, topics
 from mqtt_frontend.codec import PacketError, ProtocolError
 from mqtt_frontend.retained import qos_of as retained_qos
+from mqtt_frontend.sessions import HOLD
 
 if TYPE_CHECKING:
     from core.engine.broker import Broker, User
@@ -447,6 +448,7 @@ class MqttConnection:
         old = self.sessions.claim(key, self)
         if old is not None:
             old.taken_over()
+        self._take_hold(key)
         self.session = _Session(name, persistent, expiry)
         existing = vhost.queues.get(name)
         if existing is not None and c.clean:
@@ -1004,7 +1006,8 @@ class MqttConnection:
             return
         vhost = self.vhost
         key = (vhost.name, self.client_id)
-        self.sessions.release(key, self)
+        if self.sessions.release(key, self) and self.run_async is not None:
+            self.run_async(self.broker.coordinator.release(HOLD, *key), _log_hold_error)
         if self._opened:
             self.broker.limits.closed(self, self.username, vhost.name)
         s = self.session
@@ -1041,6 +1044,19 @@ class MqttConnection:
             self._route(will.topic, self._message(p, rk), will.retain)
         finally:
             flow.swap(previous)
+
+    def _take_hold(self, key: tuple[str, str]) -> None:
+        """The cluster's hold of the client id (sessions.py): an older connection on another node closes."""
+        if self.run_async is None:
+            return
+
+        def done(revision: Any, error: BaseException | None) -> None:
+            if error is not None:
+                _log_hold_error(None, error)  # this node's takeover still holds; the cluster's is skipped
+            elif not self.sessions.held(key, self, int(revision)):
+                self.taken_over()
+
+        self.run_async(self.broker.coordinator.take_hold(HOLD, *key), done)
 
     def _fire(self, op: Awaitable[Any]) -> None:
         if isinstance(op, Immediate) or self.run_async is None:
@@ -1094,6 +1110,12 @@ class _Both(publish.Outcome):
 
 def _raise(exc: BaseException) -> None:
     raise exc
+
+
+def _log_hold_error(_: Any, error: BaseException | None) -> None:
+    if error is not None:
+        log.warning("MQTT client id hold not changed in the cluster",
+                    extra={"error": f"{type(error).__name__}: {error}"})
 
 
 def _noop() -> None:

@@ -216,6 +216,7 @@ class MQTTServer:
 
     async def open_retained(self) -> None:
         """The retained messages of the listener's vhost, read back before clients are served."""
+        self.sessions.watch_holds()  # the node's coordinator is set by now (the cluster's, in a cluster)
         if self.settings.vhost in self.broker.vhosts:
             opening = self.sessions.retained(self.settings.vhost).opening
             if opening is not None:

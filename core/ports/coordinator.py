@@ -159,6 +159,16 @@ class Metadata(Protocol):
         """Call ``listener`` when a hold of ``kind`` may have moved (released, its node gone, our lease lost)."""
         ...
 
+    # The last to ask wins (an MQTT client id: its newest connection stays, the older one on any node closes).
+    async def take_hold(self, kind: str, vhost: str, name: str) -> int:
+        """Hold it now, whoever held it before; the take's revision (0 on a single node), to compare with
+        the revisions ``on_hold_taken`` reports: a take with a higher one came later."""
+        ...
+
+    def on_hold_taken(self, kind: str, listener: Callable[[str, str, str, int], None]) -> None:
+        """Call ``listener(vhost, name, holder node, revision)`` for each hold of ``kind`` taken on any node."""
+        ...
+
     # -- members ----------------------------------------------------------------------
     draining: bool
 
