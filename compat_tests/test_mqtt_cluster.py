@@ -34,15 +34,17 @@ def cluster(etcd_server: EtcdServer) -> Iterator[Cluster]:
 def test_same_client_id_on_two_nodes_closes_the_first(cluster: Cluster) -> None:
     n1, n2 = cluster["n1"], cluster["n2"]
     first = Client(n1.mqtt_port, client_id="twice", protocol=V5)
+    first.client.reconnect_delay_set(120, 120)  # paho would reconnect and take the id back
     time.sleep(0.5)  # its take is answered and seen by n2 before the second CONNECT
     second = Client(n2.mqtt_port, client_id="twice", protocol=V5)
     try:
         assert first.disconnected.wait(TIMEOUT), "the first connection (n1) was not closed"
         assert int(first.disconnect_reason.value) == 0x8E  # type: ignore[attr-defined]  # session taken over
-        first.client.loop_stop()  # paho would reconnect and take the id back
+        first.client.loop_stop()
         time.sleep(1.0)
         assert not second.disconnected.is_set(), "the newer connection (n2) was closed"
         # and back: a 3.1.1 connection of the id on n1 closes the one on n2
+        second.client.reconnect_delay_set(120, 120)
         third = Client(n1.mqtt_port, client_id="twice", protocol=V311)
         try:
             assert second.disconnected.wait(TIMEOUT), "the connection on n2 was not closed"
@@ -65,3 +67,29 @@ def test_other_client_ids_are_left_alone(cluster: Cluster) -> None:
     finally:
         a.close()
         b.close()
+
+
+@pytest.mark.parametrize("clean", [True, False], ids=["clean", "persistent"])
+def test_the_session_works_on_the_new_node_after_the_takeover(cluster: Cluster, clean: bool) -> None:
+    """The closed connection's node must not delete the session queue the new connection uses."""
+    n1, n2 = cluster["n1"], cluster["n2"]
+    cid = f"moving-{clean}"
+    first = Client(n1.mqtt_port, client_id=cid, protocol=V5, clean=clean, session_expiry=None if clean else 600)
+    first.subscribe("moving/#", qos=1)
+    first.client.reconnect_delay_set(120, 120)  # paho would reconnect and take the id back
+    time.sleep(0.5)
+    second = Client(n2.mqtt_port, client_id=cid, protocol=V5, clean=clean, session_expiry=None if clean else 600)
+    try:
+        second.subscribe("moving/#", qos=1)  # at once: n1 may close its connection after this
+        assert first.disconnected.wait(TIMEOUT)
+        first.client.loop_stop()
+        time.sleep(1.5)  # whatever n1 does at the close is done by now
+        pub = Client(n1.mqtt_port, protocol=V311)
+        try:
+            pub.publish("moving/t", b"after", qos=1)
+        finally:
+            pub.close()
+        assert second.get().payload == b"after"
+    finally:
+        second.close()
+        first.close()

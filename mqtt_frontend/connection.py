@@ -37,7 +37,7 @@ from typing import TYPE_CHECKING, Any
 
 from core.engine import access, flow, publish
 from core.engine.queue import Consumer
-from core.model.errors import AccessRefused, BrokerError
+from core.model.errors import AccessRefused, BrokerError, ResourceLocked
 from core.model.message import Message
 from core.model.ratelog import RateLimitedLog
 from core.ports.coordinator import Immediate
@@ -76,6 +76,9 @@ class MqttSettings:
     max_session_expiry: int = NO_EXPIRY
     product: str = "Leveret"
 
+
+LOCKED_RETRIES = 50  # a session queue locked by the client id's previous connection: 5 s of retries
+LOCKED_RETRY_S = 0.1
 
 class State(enum.Enum):
     AWAIT_CONNECT = "await-connect"
@@ -453,8 +456,8 @@ class MqttConnection:
         existing = vhost.queues.get(name)
         if existing is not None and c.clean:
             # Clean start: the old session goes (its queue, bindings and messages).
-            self._when(self.broker.coordinator.delete_queue(vhost, name, None, False, False),
-                       lambda _: self._connected(False, assigned))
+            self._when_unlocked(lambda: self.broker.coordinator.delete_queue(vhost, name, None, False, False),
+                                lambda _: self._connected(False, assigned))
             return
         if existing is not None:
             self.session.queue = existing
@@ -714,9 +717,13 @@ class MqttConnection:
             args: dict[str, Any] = {}
             if s.persistent and s.expiry != NO_EXPIRY:
                 args["x-expires"] = max(1, s.expiry) * 1000
-            op = self.broker.coordinator.declare_queue(self.vhost, s.queue_name, self, s.persistent,
-                                                   not s.persistent, False, args)
-            self._when(op, lambda q: self._declared_session(q, todo, i, finished))
+            vhost = self.vhost
+
+            def declare() -> Awaitable[Queue]:
+                return self.broker.coordinator.declare_queue(vhost, s.queue_name, self, s.persistent,
+                                                             not s.persistent, False, args)
+
+            self._when_unlocked(declare, lambda q: self._declared_session(q, todo, i, finished))
             return
         if sub.group is not None and not any(g == sub.group for _, g in self._consumers.values()):
             op = self.broker.coordinator.declare_queue(self.vhost, self._queue_for(sub), None, False, False, True, {})
@@ -747,6 +754,38 @@ class MqttConnection:
         self.session.queue = q
         self._consume_session()
         self._bind_next(todo, i, finished)
+
+    def _when_unlocked(self, make: Callable[[], Awaitable[Any]], then: Callable[[Any], None], tries: int = 0) -> None:
+        """``_when(make(), then)``, but while the session's queue is the exclusive queue of this client
+        id's previous connection on another node (which closes, since this one took the id's hold:
+        sessions.py), ask again every LOCKED_RETRY_S."""
+        def answered(result: Any) -> None:
+            if result is not _LOCKED:
+                then(result)
+                return
+            if tries >= LOCKED_RETRIES:
+                raise ResourceLocked("the session queue stays locked by another connection of this client id")
+            self.suspended += 1
+            self.broker.scheduler.call_later(LOCKED_RETRY_S, lambda: self._again(make, then, tries + 1))
+
+        try:
+            op = make()
+        except BrokerError as exc:  # refused at once (a queue this node serves)
+            if exc.code != ResourceLocked.code:
+                raise
+            answered(_LOCKED)
+            return
+        self._when(op if isinstance(op, Immediate) else _unless_locked(op), answered)
+
+    def _again(self, make: Callable[[], Awaitable[Any]], then: Callable[[Any], None], tries: int) -> None:
+        self.suspended -= 1
+        if self.state is State.CLOSED or self.should_close:
+            return
+        self._guarded(self._when_unlocked, make, then, tries)
+        if self._out:
+            self.on_output()
+        if self._buf and not self.suspended:
+            self.on_input_ready()
 
     def _join_group(self, q: Queue, group: str | None, todo: list[tuple[str, Sub, bool]], i: int,
                     finished: Callable[[], None]) -> None:
@@ -1110,6 +1149,19 @@ class _Both(publish.Outcome):
 
 def _raise(exc: BaseException) -> None:
     raise exc
+
+
+_LOCKED = object()
+
+
+async def _unless_locked(op: Awaitable[Any]) -> Any:
+    """``op``'s answer, or _LOCKED while another connection holds the queue exclusively (405)."""
+    try:
+        return await op
+    except BrokerError as exc:
+        if exc.code != ResourceLocked.code:  # from another node it comes as its code, not its class
+            raise
+        return _LOCKED
 
 
 def _log_hold_error(_: Any, error: BaseException | None) -> None:
