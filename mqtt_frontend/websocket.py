@@ -26,6 +26,7 @@ class WebSocketListener:
         self.port = 0
 
     async def start(self, host: str, port: int, context: ssl.SSLContext | None = None) -> None:
+        self.server.sessions.watch_holds()  # as the TCP listener does (also when it is the only one)
         app = web.Application()
         app.router.add_get(self.path, self._handle)
         self._runner = web.AppRunner(app, access_log=None)
