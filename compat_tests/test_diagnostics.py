@@ -16,6 +16,7 @@ from pamqp import commands, frame
 
 from compat_tests.test_metrics import MetricsNode
 from harness.node import REPO_ROOT, _python, node_env
+from leveret import __version__
 
 
 class TinyWatermarkNode(MetricsNode):
@@ -90,7 +91,7 @@ def test_rabbitmq_diagnostics_commands(node: TinyWatermarkNode) -> None:
         ("check_virtual_hosts",): "reported all vhosts as running",
         ("check_if_node_is_quorum_critical",): "not critical",
         ("memory_breakdown",): "other_proc: ",
-        ("server_version",): "0.1.0",
+        ("server_version",): __version__,
         ("check_certificate_expiration",): "No certificates are expiring within 4 weeks.",
         ("check_certificate_expiration", "--within", "2", "--unit", "months"): "within 2 months",
         ("check_protocol_listener", "amqp"): "A listener for protocol amqp is running",
@@ -103,7 +104,7 @@ def test_rabbitmq_diagnostics_commands(node: TinyWatermarkNode) -> None:
         done = _api_diagnostics(node, *argv)
         assert done.returncode == 0 and text in done.stdout, (argv, done.stdout, done.stderr)
     assert len(_api_diagnostics(node, "log_tail", "-N", "3").stdout.splitlines()) == 4  # the line and 3
-    assert _api_diagnostics(node, "-q", "server_version").stdout == "0.1.0\n"
+    assert _api_diagnostics(node, "-q", "server_version").stdout == f"{__version__}\n"
     assert _api_diagnostics(node, "server_version", "-s").stdout == ""
     status = json.loads(_api_diagnostics(node, "status", "--formatter", "json").stdout)
     assert status["node"] and status["memory"]["limit"] == 2000
@@ -161,7 +162,7 @@ class NotLeveret(threading.Thread):
 def test_ping_names_the_node_and_refuses_another_broker(node: TinyWatermarkNode) -> None:
     done = diagnostics(node, "ping")
     assert done.returncode == 0
-    assert "Ping succeeded: Leveret 0.1.0, node " in done.stdout and f":{node.amqp_port}" in done.stdout
+    assert f"Ping succeeded: Leveret {__version__}, node " in done.stdout and f":{node.amqp_port}" in done.stdout
     name = done.stdout.split(", node ", 1)[1].split(",", 1)[0]
     assert diagnostics(node, "ping", "-n", name).returncode == 0
     other = diagnostics(node, "ping", "-n", "leveret@some-other-node")
