@@ -16,26 +16,27 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from pamqp import commands, frame, header
-from pamqp.body import ContentBody
+from pamqp import commands
 
+from bench.hostile import (
+    Bystander,
+    amqp_client,
+    get_reject_without_reading,
+    mqtt_connect,
+    rss,
+    run_for,
+    send_partial,
+    wrong_logins,
+)
 from compat_tests.raw_amqp import RawAMQP
 from harness.node import NodeProcess
 
 MiB = 1024 * 1024
 
 
-def rss(pid: int) -> int:
-    with open(f"/proc/{pid}/status") as f:
-        for line in f:
-            if line.startswith("VmRSS:"):
-                return int(line.split()[1]) * 1024
-    return 0
-
-
-def start_node(*flags: str) -> Iterator[NodeProcess]:
+def start_node(*flags: str, mqtt: bool = False) -> Iterator[NodeProcess]:
     root = Path(tempfile.mkdtemp(prefix="leveret-hostile-"))
-    node = NodeProcess(root / "data", root / "logs", list(flags))
+    node = NodeProcess(root / "data", root / "logs", list(flags), mqtt=mqtt)
     node.start()
     try:
         yield node
@@ -49,64 +50,12 @@ def node() -> Iterator[NodeProcess]:
     yield from start_node()
 
 
-def client(node: NodeProcess, rcvbuf: int = 0) -> RawAMQP:
-    c = RawAMQP("127.0.0.1", node.amqp_port)
-    if rcvbuf:
-        # Set before connect, so the window the node may fill is this small.
-        c.sock.close()
-        c.sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-        c.sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, rcvbuf)
-        c.sock.settimeout(5)
-        c.sock.connect(("127.0.0.1", node.amqp_port))
-    c.handshake()
-    c.open_channel(1)
-    return c
-
-
-class Bystander(threading.Thread):
-    """Another tenant: basic.get round trips on its own queue, all along; ``worst`` in seconds."""
-
-    def __init__(self, node: NodeProcess) -> None:
-        super().__init__(daemon=True)
-        self.c = client(node)
-        self.c.rpc(commands.Queue.Declare(queue="bystander"))
-        self.stop = threading.Event()
-        self.times: list[float] = []
-
-    def run(self) -> None:
-        while not self.stop.is_set():
-            t = time.monotonic()
-            reply = self.c.rpc(commands.Basic.Get(queue="bystander", no_ack=True), timeout=30)
-            assert isinstance(reply, commands.Basic.GetEmpty), reply
-            self.times.append(time.monotonic() - t)
-            time.sleep(0.01)
-
-    @property
-    def worst(self) -> float:
-        return max(self.times, default=float("inf"))
-
-    def finish(self) -> float:
-        self.stop.set()
-        self.join(35)
-        self.c.close()
-        return self.worst
-
-
 # -- item 13: output is bounded for every method ----------------------------------------------
 def test_a_client_that_never_reads_cannot_make_the_node_hold_its_output(node: NodeProcess) -> None:
     """150 basic.get + basic.reject(requeue) pairs for a 4 MiB message from a client with a 4 KiB
     receive buffer that never reads: 600 MiB of output on a node that read them all at once."""
-    publisher = client(node)
-    publisher.rpc(commands.Queue.Declare(queue="big"))
-    publisher.publish(1, b"m" * (4 * MiB), routing_key="big")
-    publisher.close()
-    time.sleep(0.5)
     before = rss(node.pid)
-    attacker = client(node, rcvbuf=4096)
-    pairs = b"".join(frame.marshal(commands.Basic.Get(queue="big"), 1)
-                     + frame.marshal(commands.Basic.Reject(delivery_tag=i + 1, requeue=True), 1)
-                     for i in range(150))
-    attacker.send_raw(pairs)  # 6,000 bytes
+    attacker = get_reject_without_reading(node.amqp_port)  # 6,000 bytes of requests
     time.sleep(3.0)
     grown = rss(node.pid) - before
     attacker.close_socket()
@@ -114,33 +63,15 @@ def test_a_client_that_never_reads_cannot_make_the_node_hold_its_output(node: No
 
 
 # -- item 14: unfinished bodies count and are bounded -----------------------------------------
-def _send_partial(sock: socket.socket, channel: int, announced: int, send: int, pace: float = 0.0) -> int:
-    """basic.publish + a header announcing ``announced`` bytes, then ``send`` bytes of body (never
-    all of it); the bytes sent before the node stopped reading or closed."""
-    sock.sendall(frame.marshal(commands.Basic.Publish(exchange="", routing_key="sink"), channel)
-                 + frame.marshal(header.ContentHeader(0, announced, commands.Basic.Properties()), channel))
-    piece = frame.marshal(ContentBody(b"b" * (128 * 1024 - 8)), channel)
-    sent = 0
-    try:
-        while sent < send:
-            sock.sendall(piece)
-            sent += len(piece)
-            if pace:
-                time.sleep(pace)
-    except OSError:  # the node closed the connection (506), or stopped reading (timeout)
-        pass
-    return sent
-
-
 def test_unfinished_bodies_are_bounded_per_connection(node: NodeProcess) -> None:
     """Six channels each announcing a 120 MiB body and sending 100 MiB of it: the node took 680 MiB.
     Now the connection is closed with 506 once its unfinished bodies pass max_message_size."""
-    attacker = client(node)
+    attacker = amqp_client(node.amqp_port)
     for ch in range(2, 8):
         attacker.open_channel(ch)
     before = rss(node.pid)
     for ch in range(2, 8):
-        _send_partial(attacker.sock, ch, 120 * MiB, 100 * MiB)
+        send_partial(attacker.sock, ch, 120 * MiB, 100 * MiB)
     grown = rss(node.pid) - before
     codes = []
     try:
@@ -165,9 +96,9 @@ def test_the_memory_alarm_stops_reading_a_connection_with_an_unfinished_body(
         low_watermark_node: NodeProcess) -> None:
     """The alarm counts a body as it arrives; the connection that sends it is a publisher from its
     basic.publish on, so the alarm blocks it (it was not, and kept being read)."""
-    attacker = client(low_watermark_node)
+    attacker = amqp_client(low_watermark_node.amqp_port)
     attacker.sock.settimeout(3.0)  # a node that stopped reading makes sendall time out
-    sent = _send_partial(attacker.sock, 1, 120 * MiB, 100 * MiB, pace=0.01)  # ~12 MiB/s
+    sent = send_partial(attacker.sock, 1, 120 * MiB, 100 * MiB, pace=0.01)  # ~12 MiB/s
     attacker.close_socket()
     assert "memory high watermark reached" in low_watermark_node.stderr_tail(20000)
     assert sent < 60 * MiB, f"the node kept reading: {sent / MiB:.0f} MiB of an unfinished body"
@@ -189,58 +120,70 @@ def _wrong_login(node: NodeProcess, password: str) -> str:
         c.close_socket()
 
 
-# 100 connections that each send a wrong PLAIN login at once and wait for the answer: in a process of
-# its own, so that the bystander's round trips measure the node, not this process's threads.
-_ATTACK = """
-import selectors, socket, sys, time
-from pamqp import commands, frame
-port, count = int(sys.argv[1]), int(sys.argv[2])
-socks = []
-for i in range(count):  # every connection first, then every login at once: they arrive together
-    s = socket.create_connection(("127.0.0.1", port))
-    s.sendall(b"AMQP\\x00\\x00\\x09\\x01")
-    socks.append(s)
-time.sleep(0.5)
-sel = selectors.DefaultSelector()
-for i, s in enumerate(socks):
-    ok = commands.Connection.StartOk(client_properties={"capabilities": {"authentication_failure_close": True}},
-                                     mechanism="PLAIN", response=f"\\0guest\\0guess {i}")
-    try:
-        s.sendall(frame.marshal(ok, 0))
-    except OSError:
-        s.close()
-        continue
-    s.setblocking(False)
-    sel.register(s, selectors.EVENT_READ)
-open_ = len(sel.get_map())
-while open_:
-    for key, _ in sel.select(timeout=30) or [(None, None)]:
-        if key is None:
-            sys.exit("no answer in 30 s")
-        try:
-            data = key.fileobj.recv(65536)
-        except OSError:
-            data = b""
-        if not data:
-            sel.unregister(key.fileobj)
-            key.fileobj.close()
-            open_ -= 1
-"""
-
-
 def test_a_hundred_parallel_wrong_logins_do_not_stall_another_tenant(node: NodeProcess) -> None:
     """100 parallel wrong logins stalled another tenant for 2.3 s (~25 ms of argon2 each on the loop)."""
-    import subprocess
-    import sys
-
-    bystander = Bystander(node)
+    bystander = Bystander(node.amqp_port)
     bystander.start()
     time.sleep(0.3)
-    attack = subprocess.Popen([sys.executable, "-c", _ATTACK, str(node.amqp_port), "100"])
-    try:
-        attack.wait(60)
-    finally:
-        attack.kill()
+    run_for(wrong_logins("amqp", node.amqp_port, 100), 60)
+    time.sleep(0.2)
+    worst = bystander.finish()
+    print(f"bystander: {len(bystander.times)} round trips, worst {worst * 1000:.0f} ms")
+    assert len(bystander.times) > 20, len(bystander.times)
+    assert worst < 0.1, f"the bystander's worst round trip was {worst * 1000:.0f} ms"
+
+
+@pytest.fixture
+def mqtt_node() -> Iterator[NodeProcess]:
+    yield from start_node(mqtt=True)
+
+
+def _mqtt_login(node: NodeProcess, password: str) -> int:
+    """One MQTT CONNECT for guest: the CONNACK's return code (0 accepted, 4 bad credentials)."""
+    with socket.create_connection(("127.0.0.1", node.mqtt_port), timeout=30) as s:
+        s.sendall(mqtt_connect(password))
+        connack = s.recv(4)
+        assert connack[:2] == b"\x20\x02", connack
+        return connack[3]
+
+
+def test_parallel_wrong_mqtt_logins_do_not_stall_another_tenant(mqtt_node: NodeProcess) -> None:
+    """MQTT checked passwords on the event loop: 50 parallel wrong CONNECTs stalled everyone."""
+    assert _mqtt_login(mqtt_node, "guest") == 0  # the right password (Broker.login's path)
+    assert _mqtt_login(mqtt_node, "wrong") == 4
+    bystander = Bystander(mqtt_node.amqp_port)
+    bystander.start()
+    time.sleep(0.3)
+    run_for(wrong_logins("mqtt", mqtt_node.mqtt_port, 50), 6)
+    time.sleep(0.2)
+    worst = bystander.finish()
+    print(f"bystander: {len(bystander.times)} round trips, worst {worst * 1000:.0f} ms")
+    assert len(bystander.times) > 20, len(bystander.times)
+    assert worst < 0.1, f"the bystander's worst round trip was {worst * 1000:.0f} ms"
+
+
+def test_parallel_wrong_grpc_logins_do_not_stall_another_tenant(node: NodeProcess) -> None:
+    """gRPC checked passwords on the event loop: 50 parallel wrong logins stalled everyone."""
+    import grpc
+
+    from leveret_client.proto import leveret_pb2 as pb
+    from leveret_client.proto import leveret_pb2_grpc as pb_grpc
+
+    def list_queues(password: str) -> str:
+        with grpc.insecure_channel(f"127.0.0.1:{node.grpc_port}") as channel:
+            try:
+                pb_grpc.BrokerStub(channel).ListQueues(
+                    pb.ListQueuesRequest(), metadata=(("username", "guest"), ("password", password)), timeout=30)
+                return "OK"
+            except grpc.RpcError as exc:
+                return str(exc.code().name)  # type: ignore[attr-defined]
+
+    assert list_queues("guest") == "OK"  # the right password (Broker.login's path)
+    assert list_queues("wrong") == "UNAUTHENTICATED"
+    bystander = Bystander(node.amqp_port)
+    bystander.start()
+    time.sleep(0.3)
+    run_for(wrong_logins("grpc", node.grpc_port, 50), 6)
     time.sleep(0.2)
     worst = bystander.finish()
     print(f"bystander: {len(bystander.times)} round trips, worst {worst * 1000:.0f} ms")

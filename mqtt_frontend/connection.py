@@ -381,30 +381,57 @@ class MqttConnection:
         # RabbitMQ's login forms: "vhost:user", else the listener's vhost.
         vhost_name = self.settings.vhost
         self.sessions.auth_attempts += 1
-        try:
-            if c.username is None and self.peer_identity:
+        if c.username is None and self.peer_identity:
+            try:
                 user = self.broker.authenticate_external(self.peer_identity, host)
-            else:
-                username = c.username or ""
-                if ":" in username:
-                    vhost_name, username = username.split(":", 1)
-                password = (c.password or b"").decode("utf-8", "replace")
-                # The same check (and remembered logins) as the AMQP front end's PLAIN.
-                user = self.broker.authenticate(username, password, host)
-        except AccessRefused as exc:
-            self.sessions.auth_failed += 1
-            delay = self.broker.login_throttle.delay(host)
-            text = exc.text
-
-            def refuse() -> None:
-                self._connack_refuse(codec.BAD_CREDENTIALS, text)
-
-            if delay > 0 and self.run_async is not None:
-                self.suspended += 1  # nothing more is read from a guesser meanwhile
-                self.broker.scheduler.call_later(delay, lambda: self._late_refusal(refuse))
-            else:
-                refuse()
+            except AccessRefused as exc:
+                self.sessions.auth_failed += 1
+                self._connack_refuse(codec.BAD_CREDENTIALS, exc.text)
+                return
+            self._connect_as(c, user, vhost_name, client_id, assigned)
             return
+        username = c.username or ""
+        if ":" in username:
+            vhost_name, username = username.split(":", 1)
+        password = (c.password or b"").decode("utf-8", "replace")
+        if self.run_async is None:  # sans-IO tests: the same check, on the caller's thread
+            try:
+                user = self.broker.authenticate(username, password, host)
+            except AccessRefused as exc:
+                self.sessions.auth_failed += 1
+                self._connack_refuse(codec.BAD_CREDENTIALS, exc.text)
+                return
+            self._connect_as(c, user, vhost_name, client_id, assigned)
+            return
+        # The same check (and remembered logins) as the AMQP front end's PLAIN (Broker.login): the
+        # address's turn and delay, then the KDF in the broker's threads, never on the event loop.
+        # Nothing more this client sends is read meanwhile (suspended).
+        self.suspended += 1
+        self.run_async(self.broker.login(username, password, host),
+                       lambda user, error: self._login_done(c, user, error, vhost_name, client_id, assigned))
+
+    def _login_done(self, c: codec.Connect, user: Any, error: BaseException | None, vhost_name: str,
+                    client_id: str, assigned: bool) -> None:
+        self.suspended -= 1
+        if self.state is State.CLOSED or self.should_close:
+            return
+        if isinstance(error, AccessRefused):
+            self.sessions.auth_failed += 1
+            self._connack_refuse(codec.BAD_CREDENTIALS, error.text)  # the throttle's delay is spent
+        elif error is not None:
+            log.error("MQTT login failed", exc_info=error, extra={"peer": self._host()})
+            self._connack_refuse(codec.SERVER_UNAVAILABLE, "internal error; see the broker log")
+        else:
+            self._guarded(lambda u: self._connect_as(c, u, vhost_name, client_id, assigned), user)
+        if self._out:
+            self.on_output()
+        if self._buf and not self.suspended and not self.should_close:
+            self.on_input_ready()
+
+    def _connect_as(self, c: codec.Connect, user: User, vhost_name: str, client_id: str,
+                    assigned: bool) -> None:
+        """CONNECT once the credentials are checked: vhost, limits, session."""
+        props = c.properties
         vhost = self.broker.vhosts.get(vhost_name)
         if vhost is None or vhost_name not in user.vhosts:
             self._connack_refuse(codec.NOT_AUTHORIZED, f"access to vhost '{vhost_name}' refused for user "
@@ -466,13 +493,6 @@ class MqttConnection:
             self._connected(True, assigned)
             return
         self._connected(False, assigned)
-
-    def _late_refusal(self, refuse: Callable[[], None]) -> None:
-        self.suspended -= 1
-        if self.state is State.CLOSED or self.should_close:
-            return
-        refuse()
-        self.on_output()
 
     def _connack_refuse(self, reason: int, text: str) -> None:
         refused_log.warning(self._host(), "MQTT connection refused", reason=f"{reason:#x}", text=text)

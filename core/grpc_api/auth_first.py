@@ -93,7 +93,7 @@ def _authenticated(handler: grpc.RpcMethodHandler, first: AuthFirst, key: tuple[
     async def request(requests: AsyncIterator[bytes], context: Any) -> Any:
         """Log in (nothing read yet), then read the one request message within ``limit``."""
         async with _errors(context):
-            api.login(context)
+            await api.login(context)
             first.remember(key)
             raw = await anext(aiter(requests), None)
             if raw is None:

@@ -344,7 +344,10 @@ class BrokerServicer(pb_grpc.BrokerServicer):
         for w in self.watchers:
             w.events.put_nowait(pb.ClusterEvent(kind=pb.ClusterEvent.KIND_UNSPECIFIED))
 
-    def login(self, context: grpc.aio.ServicerContext) -> tuple[User, VirtualHost]:
+    async def login(self, context: grpc.aio.ServicerContext) -> tuple[User, VirtualHost]:
+        """The caller's user and vhost. Credentials that already logged in here (and whose user has
+        not changed since) answer at once; others go through ``Broker.login``: the address's turn
+        and delay, then the KDF off the event loop, so guessers never stall other clients."""
         md = {k: v for k, v in (context.invocation_metadata() or ())}
         username, password = md.get("username"), md.get("password")
         if not isinstance(username, str) or not isinstance(password, str):
@@ -354,11 +357,10 @@ class BrokerServicer(pb_grpc.BrokerServicer):
         user = self._logins.get(key)
         if user is None or self.broker.users.get(username) is not user:
             try:
-                user = self.broker.authenticate(username, password, host)
+                user = await self.broker.login(username, password, host)
             except BrokerError as exc:
-                # A guesser waits longer for each refusal (core/engine/login_throttle.py).
-                raise ApiError(grpc.StatusCode.UNAUTHENTICATED, exc.text,
-                               delay=self.broker.login_throttle.delay(host)) from None
+                # Broker.login has already waited the address's delay (core/engine/login_throttle.py).
+                raise ApiError(grpc.StatusCode.UNAUTHENTICATED, exc.text) from None
             if len(self._logins) > 1024:
                 self._logins.clear()
             self._logins[key] = user
@@ -422,7 +424,7 @@ class BrokerServicer(pb_grpc.BrokerServicer):
     # -- queues ------------------------------------------------------------------
     async def CreateQueue(self, request: pb.CreateQueueRequest, context: Any) -> pb.QueueInfo:
         async with _errors(context):
-            user, vh = self.login(context)
+            user, vh = await self.login(context)
             if not request.name:
                 raise ApiError(grpc.StatusCode.INVALID_ARGUMENT, "a queue name is required")
             access.check(self.grants(user, vh), "configure", "queue", request.name)
@@ -442,7 +444,7 @@ class BrokerServicer(pb_grpc.BrokerServicer):
 
     async def DeleteQueue(self, request: pb.DeleteQueueRequest, context: Any) -> pb.DeleteQueueResponse:
         async with _errors(context):
-            user, vh = self.login(context)
+            user, vh = await self.login(context)
             access.check(self.grants(user, vh), "configure", "queue", request.name)
             self._queue(vh, request.name)  # NOT_FOUND for a missing queue, unlike AMQP
             n = await self.broker.coordinator.delete_queue(vh, request.name, GRPC_OWNER, request.if_unused,
@@ -452,14 +454,14 @@ class BrokerServicer(pb_grpc.BrokerServicer):
 
     async def ListQueues(self, request: pb.ListQueuesRequest, context: Any) -> pb.ListQueuesResponse:
         async with _errors(context):
-            _, vh = self.login(context)
+            _, vh = await self.login(context)
             return pb.ListQueuesResponse(queues=[self._queue_info(q) for q in vh.queues.values()])
         raise AssertionError("unreachable")
 
     # -- channels ----------------------------------------------------------------
     async def CreateChannel(self, request: pb.CreateChannelRequest, context: Any) -> pb.ChannelInfo:
         async with _errors(context):
-            user, vh = self.login(context)
+            user, vh = await self.login(context)
             access.check(self.grants(user, vh), "configure", "queue", request.queue)
             q = self._not_stream(self._queue(vh, request.queue))
             name = request.name or f"ch-{next(self._channel_names)}-{os.urandom(3).hex()}"
@@ -476,7 +478,7 @@ class BrokerServicer(pb_grpc.BrokerServicer):
 
     async def DeleteChannel(self, request: pb.DeleteChannelRequest, context: Any) -> pb.DeleteChannelResponse:
         async with _errors(context):
-            user, vh = self.login(context)
+            user, vh = await self.login(context)
             # The permission first: a refused caller learns nothing of what exists (no 404/403 oracle).
             access.check(self.grants(user, vh), "configure", "queue", request.id.rpartition("/")[0])
             ch = self._channel(vh, request.id)
@@ -489,7 +491,7 @@ class BrokerServicer(pb_grpc.BrokerServicer):
 
     async def ListChannels(self, request: pb.ListChannelsRequest, context: Any) -> pb.ListChannelsResponse:
         async with _errors(context):
-            _, vh = self.login(context)
+            _, vh = await self.login(context)
             queues = [self._queue(vh, request.queue)] if request.queue else list(vh.queues.values())
             return pb.ListChannelsResponse(
                 channels=[self._channel_info(ch) for q in queues for ch in q.channels]
@@ -533,7 +535,7 @@ class BrokerServicer(pb_grpc.BrokerServicer):
 
     async def Push(self, request: pb.PushRequest, context: Any) -> pb.PushResponse:
         async with _errors(context):
-            user, vh = self.login(context)
+            user, vh = await self.login(context)
             entry.target(vh, self.grants(user, vh), "", request.queue)  # a publish to the default exchange
             q = self._queue(vh, request.queue)
             # A resource alarm (memory, disk) holds pushes as it blocks AMQP publishers.
@@ -552,7 +554,7 @@ class BrokerServicer(pb_grpc.BrokerServicer):
 
     async def PushBatch(self, request: pb.PushBatchRequest, context: Any) -> pb.PushBatchResponse:
         async with _errors(context):
-            user, vh = self.login(context)
+            user, vh = await self.login(context)
             entry.target(vh, self.grants(user, vh), "", request.queue)  # a publish to the default exchange
             q = self._queue(vh, request.queue)
             response = pb.PushBatchResponse()
@@ -593,7 +595,7 @@ class BrokerServicer(pb_grpc.BrokerServicer):
         live: LiveCall | None = None
         try:
             async with _errors(context):
-                user, vh = self.login(context)
+                user, vh = await self.login(context)
                 access.read_queue(self.grants(user, vh), request.channel_id.rpartition("/")[0])
                 qch = self._channel(vh, request.channel_id)
                 if qch is not qch.queue.default:
@@ -662,20 +664,20 @@ class BrokerServicer(pb_grpc.BrokerServicer):
 
     async def Ack(self, request: pb.AckRequest, context: Any) -> pb.AckResponse:
         async with _errors(context):
-            user, vh = self.login(context)
+            user, vh = await self.login(context)
             return self._settle(request.delivery_ids, None, (user.name, vh.name))
         raise AssertionError("unreachable")
 
     async def Nack(self, request: pb.NackRequest, context: Any) -> pb.AckResponse:
         async with _errors(context):
-            user, vh = self.login(context)
+            user, vh = await self.login(context)
             return self._settle(request.delivery_ids, request.requeue, (user.name, vh.name))
         raise AssertionError("unreachable")
 
     # -- cluster -----------------------------------------------------------------
     async def WatchCluster(self, request: pb.WatchClusterRequest, context: Any) -> AsyncIterator[pb.ClusterEvent]:
         async with _errors(context):
-            user, vh = self.login(context)
+            user, vh = await self.login(context)
         self._observe_all()
         watcher = Watcher(user.name)
         # Ended (user deleted, vhost access gone): the empty event wakes the loop, which then aborts.
@@ -698,7 +700,7 @@ class BrokerServicer(pb_grpc.BrokerServicer):
 
     async def Nodes(self, request: pb.NodesRequest, context: Any) -> pb.NodesResponse:
         async with _errors(context):
-            self.login(context)
+            await self.login(context)
             members = (self.members() if self.members is not None
                        else [{"id": self.broker.node_id, "region": self.region}])
             return pb.NodesResponse(node=self.broker.node_id, region=self.region,

@@ -205,7 +205,7 @@ class StreamsServicer(pb_grpc.StreamsServicer):
 
     async def CreateStream(self, request: pb.CreateStreamRequest, context: Any) -> pb.StreamInfo:
         async with _errors(context):
-            user, vh = self.api.login(context)
+            user, vh = await self.api.login(context)
             name = request.name
             if not name:
                 raise ApiError(grpc.StatusCode.INVALID_ARGUMENT, "a stream name is required")
@@ -230,13 +230,13 @@ class StreamsServicer(pb_grpc.StreamsServicer):
 
     async def GetStream(self, request: pb.GetStreamRequest, context: Any) -> pb.StreamInfo:
         async with _errors(context):
-            _, vh = self.api.login(context)
+            _, vh = await self.api.login(context)
             return await self._info(vh, request.name)
         raise AssertionError("unreachable")
 
     async def DeleteStream(self, request: pb.DeleteStreamRequest, context: Any) -> pb.DeleteStreamResponse:
         async with _errors(context):
-            user, vh = self.api.login(context)
+            user, vh = await self.api.login(context)
             kind = "exchange" if partition.exchange_of(vh, request.name) is not None else "queue"
             access.check(self.api.grants(user, vh), "configure", kind, request.name)
             dropped = await partition.remove(self.api.broker.coordinator, vh, request.name)
@@ -245,7 +245,7 @@ class StreamsServicer(pb_grpc.StreamsServicer):
 
     async def Publish(self, request: pb.PublishRequest, context: Any) -> pb.PublishResponse:
         async with _errors(context):
-            user, vh = self.api.login(context)
+            user, vh = await self.api.login(context)
             topic = request.topic
             props, summary = message_properties(user, request.properties, True)
             x = partition.exchange_of(vh, topic)
@@ -277,7 +277,7 @@ class StreamsServicer(pb_grpc.StreamsServicer):
 
     async def CommitOffset(self, request: pb.CommitOffsetRequest, context: Any) -> pb.CommitOffsetResponse:
         async with _errors(context):
-            user, vh = self.api.login(context)
+            user, vh = await self.api.login(context)
             if not request.group:
                 raise ApiError(grpc.StatusCode.INVALID_ARGUMENT, "a group name is required")
             access.read_queue(self.api.grants(user, vh), request.stream)
@@ -301,7 +301,7 @@ class StreamsServicer(pb_grpc.StreamsServicer):
         live: LiveCall | None = None
         try:
             async with _errors(context):
-                user, vh = self.api.login(context)
+                user, vh = await self.api.login(context)
                 grants = self.api.grants(user, vh)
                 if not request.offsets:
                     raise ApiError(grpc.StatusCode.INVALID_ARGUMENT, "name at least one topic in offsets")
