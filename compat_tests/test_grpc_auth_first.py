@@ -9,13 +9,13 @@ from __future__ import annotations
 
 import shutil
 import tempfile
-import threading
 from collections.abc import Iterator
 from pathlib import Path
 
 import grpc
 import pytest
 
+from bench.hostile import unauthenticated_pushes
 from compat_tests.mgmt_http import Mgmt, wait_http
 from harness.node import NodeProcess
 from leveret.node.grpc_server import MAX_CONCURRENT_STREAMS
@@ -62,25 +62,11 @@ def test_unauthenticated_large_pushes_are_refused_before_their_body_is_read(node
         pb_grpc.BrokerStub(channel).CreateQueue(pb.CreateQueueRequest(name="big", exist_ok=True), metadata=GUEST,
                                                 timeout=10)
     rest, rest_peak = _status(node.pid, "VmRSS"), _status(node.pid, "VmHWM")
-    body = b"\x00" * BIG
-    codes: list[grpc.StatusCode] = []
-
-    def attack(metadata: tuple[tuple[str, str], ...]) -> None:
-        with grpc.insecure_channel(target, options=OPTIONS) as channel:
-            stub = pb_grpc.BrokerStub(channel)
-            codes.append(_code(lambda: stub.Push(pb.PushRequest(queue="big", content=body), metadata=metadata,
-                                                 timeout=60)))
-
-    attackers = [threading.Thread(target=attack, args=(md,))
-                 for md in ((), (("username", "guest"),), (("username", "guest"), ("password", "wrong")), ())]
-    for t in attackers:
-        t.start()
-    for t in attackers:
-        t.join()
+    codes = unauthenticated_pushes(node.grpc_port, 4, BIG)  # none, a user alone, a wrong password
     peak = _status(node.pid, "VmHWM")
     print(f"\nnode RSS at rest {rest} MiB (peak so far {rest_peak}), peak during 4 unauthenticated 120 MiB "
           f"pushes {peak} MiB")
-    assert codes == [grpc.StatusCode.UNAUTHENTICATED] * 4
+    assert codes == ["UNAUTHENTICATED"] * 4
     assert peak - rest < 64, f"the node took {peak - rest} MiB for refused calls"
 
 
