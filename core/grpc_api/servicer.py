@@ -76,11 +76,10 @@ def status_of(exc: BrokerError) -> grpc.StatusCode:
 class ApiError(Exception):
     """A refusal with its gRPC status (raised inside handlers, turned into an abort)."""
 
-    def __init__(self, code: grpc.StatusCode, details: str, delay: float = 0.0) -> None:
+    def __init__(self, code: grpc.StatusCode, details: str) -> None:
         super().__init__(details)
         self.code = code
         self.details = details
-        self.delay = delay  # seconds to wait before answering (a failed login)
 
 
 # -- properties ---------------------------------------------------------------
@@ -774,8 +773,6 @@ class _errors:
 
     async def __aexit__(self, exc_type: Any, exc: BaseException | None, tb: Any) -> bool:
         if isinstance(exc, ApiError):
-            if exc.delay:
-                await asyncio.sleep(exc.delay)
             await self.context.abort(exc.code, exc.details)
         if isinstance(exc, BrokerError):
             await self.context.abort(status_of(exc), exc.reply_text)
