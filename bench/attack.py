@@ -108,7 +108,8 @@ def _logins(protocol: str, count: int) -> AttackFn:
     def attack(t: Target, until: float) -> str:
         port = {"amqp": t.amqp_port, "mqtt": t.mqtt_port, "grpc": t.grpc_port}[protocol]
         assert port is not None
-        hostile.run_for(hostile.wrong_logins(protocol, port, count), max(0.0, until - time.monotonic()))
+        # At least 1.5 s: the script opens every connection and waits 0.5 s before the logins go out.
+        hostile.run_for(hostile.wrong_logins(protocol, port, count), max(1.5, until - time.monotonic()))
         return f"{count} in parallel"
     return attack
 

@@ -10,7 +10,7 @@ pytestmark = pytest.mark.timeout(300)
 
 
 def test_every_attack_runs_and_reports_the_bystander_and_the_rss(capsys: pytest.CaptureFixture[str]) -> None:
-    assert attack.main(["--seconds", "0.3"]) == 0
+    assert attack.main(["--seconds", "0.5"]) == 0
     out = capsys.readouterr().out
     rows = [line for line in out.splitlines() if line.startswith("| ") and "(#" in line]
     assert len(rows) == len(attack.ATTACKS), out
