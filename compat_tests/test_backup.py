@@ -85,7 +85,7 @@ def test_backup_under_a_confirmed_publisher_restores_on_another_node(source: Nod
     busy.mkdir()
     (busy / "x").write_text("x")
     refused = ctl(source, "restore", str(backup_dir), str(busy))
-    assert refused.returncode == 1 and "not empty" in refused.stderr
+    assert refused.returncode == 65 and "not empty" in refused.stderr
     restored_dir = tmp_path / "b-data"
     restored = ctl(source, "restore", str(backup_dir), str(restored_dir))
     assert restored.returncode == 0, restored.stdout + restored.stderr
@@ -116,8 +116,8 @@ def test_backup_refuses_a_non_empty_directory_and_bad_credentials(source: NodePr
     target.mkdir()
     (target / "x").write_text("x")
     out = ctl(source, "backup", str(target))
-    assert out.returncode == 1 and "not empty" in out.stderr
+    assert out.returncode == 65 and "not empty" in out.stderr  # rabbitmqctl's EX_DATAERR
     out = ctl(source, "--username", "nobody", "backup", str(tmp_path / "empty"))
-    assert out.returncode == 1 and "401" in out.stderr
+    assert out.returncode == 77 and "401" in out.stderr  # EX_NOPERM
     out = ctl(source, "restore", str(tmp_path))
-    assert out.returncode == 1 and "BACKUP.json" in out.stderr
+    assert out.returncode == 65 and "BACKUP.json" in out.stderr

@@ -11,7 +11,7 @@ from pathlib import Path
 
 from harness.node import REPO_ROOT
 
-NOT_SHIPPED = {"bench", "compat_tests", "examples", "tests"}
+NOT_SHIPPED = {"bench", "compat_tests", "examples", "tests", "harness"}
 
 
 def _wheel(tmp_path: Path, project: Path) -> zipfile.ZipFile:
