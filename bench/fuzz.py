@@ -1,7 +1,7 @@
 """``python -m bench.fuzz --minutes N``: mutated and hostile AMQP frames against a live node, for minutes.
 
 The long form of tests/test_fuzz.py (same seeds and mutations, from
-tests/fuzzing.py), over real sockets. Workers open connections and send
+harness/fuzzing.py), over real sockets. Workers open connections and send
 bursts of mutated frames, and (``--mode``) bursts of hostile but well-formed
 ones (``fuzzing.hostile``: topic bindings with runs of ``#`` and ``*`` and
 255-byte routing keys, large and deep argument tables and headers, odd
@@ -42,8 +42,8 @@ from pamqp.header import ContentHeader
 
 from bench.target import BrokerUrl
 from compat_tests.raw_amqp import RawAMQP
+from harness import fuzzing
 from harness.node import NodeProcess
-from tests import fuzzing
 
 SEEDS = fuzzing.seeds()
 CONNECTION_CLOSE = b"\x00\x0a\x00\x32"
@@ -435,7 +435,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--workers", type=int, default=4)
     parser.add_argument("--seed", type=int, default=1)
     parser.add_argument("--mode", choices=("mutate", "hostile", "both"), default="both",
-                        help="mutated frames, hostile well-formed frames (tests/fuzzing.py: hostile), or both "
+                        help="mutated frames, hostile well-formed frames (harness/fuzzing.py: hostile), or both "
                         "(half the connections each)")
     parser.add_argument("--settle", type=float, default=6.0, help="seconds between the run and the after-sample")
     parser.add_argument("--json", help="also write the report here")

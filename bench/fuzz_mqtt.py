@@ -1,7 +1,7 @@
 """``python -m bench.fuzz_mqtt --seconds N``: mutated MQTT sessions against a live node, over sockets.
 
 The long form of tests/test_mqtt_fuzz.py (the same seeds and mutations, from
-tests/mqtt_fuzzing.py). Workers open connections and send mutated 3.1.1 and
+harness/mqtt_fuzzing.py). Workers open connections and send mutated 3.1.1 and
 5.0 sessions in random chunks; a canary (paho, QoS 1) keeps doing round trips
 on its own connection throughout. The report: sessions sent, how the node
 answered (CONNACK codes, DISCONNECT reasons, closes), internal errors in the
@@ -27,8 +27,8 @@ from typing import Any
 import paho.mqtt.client as paho
 from paho.mqtt.enums import CallbackAPIVersion
 
+from harness import mqtt_fuzzing
 from harness.node import NodeProcess
-from tests import mqtt_fuzzing
 
 INTERNAL = ("internal error", "tick failed", "callback failed", "unhandled exception")
 

@@ -19,10 +19,10 @@ from paho.mqtt.enums import CallbackAPIVersion
 from paho.mqtt.packettypes import PacketTypes
 from paho.mqtt.properties import Properties
 
+from harness import mqtt_client as mc
 from harness.node import REPO_ROOT, NodeProcess, _python, node_env
 from harness.ports import free_port
 from mqtt_frontend import codec
-from tests import mqtt_client as mc
 
 V311, V5 = paho.MQTTv311, paho.MQTTv5
 TIMEOUT = 10.0

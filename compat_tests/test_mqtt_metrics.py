@@ -13,8 +13,8 @@ import pytest
 
 from compat_tests.test_metrics import MetricsNode, samples
 from compat_tests.test_mqtt import V5, Client, wait_port
+from harness import mqtt_client as mc
 from mqtt_frontend import codec
-from tests import mqtt_client as mc
 
 TIMEOUT = 10.0
 

@@ -2,7 +2,7 @@
 
 Four node processes with real etcd and Postgres: n1, n2 in region A and n3, n4
 in region B. Every link between the regions goes through a proxy that adds
-DELAY each way (tests/delay_proxy.py): the cluster port between regions (each
+DELAY each way (harness/delay_proxy.py): the cluster port between regions (each
 node advertises its proxy with --advertise-cluster-remote), the B nodes' path
 to etcd and Postgres (which sit in A), and the B client's path to the A
 nodes. The client in B is also given n4 through a 2 ms proxy, a B node a
@@ -33,10 +33,10 @@ import pytest
 from psycopg.conninfo import conninfo_to_dict, make_conninfo
 
 from harness.cluster import Cluster, ClusterNode
+from harness.delay_proxy import DelayLinks
 from harness.node import NodeProcess
 from harness.ports import free_port
 from leveret.client import AsyncClient, AsyncSubscriber, Client, Subscriber
-from tests.delay_proxy import DelayLinks
 
 pytestmark = pytest.mark.timeout(120)
 

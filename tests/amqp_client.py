@@ -18,7 +18,7 @@ from pamqp.heartbeat import Heartbeat
 
 from amqp_frontend.connection import Connection, ServerSettings
 from core.engine.broker import Broker
-from tests.brokers import local_broker
+from harness.brokers import local_broker
 
 PROTOCOL_HEADER = b"AMQP\x00\x00\x09\x01"
 LOOPBACK = ("127.0.0.1", 1234)

@@ -7,7 +7,7 @@ import pytest
 from core.engine import access, limits
 from core.engine.broker import Broker, Permission
 from core.model.errors import AccessRefused, NotAllowed, PreconditionFailed
-from tests.brokers import local_broker
+from harness.brokers import local_broker
 
 
 @pytest.fixture

@@ -15,8 +15,8 @@ from pamqp.header import ContentHeader
 
 from amqp_frontend.connection import ServerSettings
 from core.engine.broker import Permission
+from harness.brokers import local_broker
 from tests.amqp_client import Client, assemble, connected
-from tests.brokers import local_broker
 
 MESSAGE = 256 * 1024
 HIGH_WATER = 64 * 1024

@@ -11,8 +11,8 @@ from pamqp import commands
 
 from core.engine.broker import Broker
 from core.model.clock import ManualScheduler
+from harness.brokers import local_broker
 from tests.amqp_client import Client, assemble, connected, publish_bytes
-from tests.brokers import local_broker
 from tests.test_connection_sm import bodies, channel_close, of_type
 
 REPLY_TO = "amq.rabbitmq.reply-to"

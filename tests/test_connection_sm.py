@@ -17,6 +17,7 @@ from pamqp.heartbeat import Heartbeat
 
 from amqp_frontend.connection import ServerSettings
 from core.engine.broker import Broker
+from harness.brokers import local_broker
 from tests.amqp_client import (
     PROTOCOL_HEADER,
     Client,
@@ -28,7 +29,6 @@ from tests.amqp_client import (
     plain,
     publish_bytes,
 )
-from tests.brokers import local_broker
 
 # --------------------------------------------------------------------------- helpers
 

@@ -14,8 +14,8 @@ import pytest
 from pamqp import commands, frame
 
 from core.engine.broker import Broker
+from harness.fuzzing import fresh_broker
 from tests.amqp_client import Client, Received, assemble, connected, content_frames, publish_bytes
-from tests.fuzzing import fresh_broker
 
 
 def _close(text: str = "bye") -> commands.Channel.Close:

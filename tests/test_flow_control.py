@@ -14,8 +14,8 @@ from amqp_frontend.connection import READ_BUDGET
 from core.engine.broker import Broker
 from core.engine.flow import CHECK_S, FLOW_HIGH, FLOW_LOW, MIN_DRAIN
 from core.model.clock import ManualScheduler
+from harness.brokers import local_broker
 from tests.amqp_client import Client, assemble, connected, publish_bytes
-from tests.brokers import local_broker
 
 BODY = b"x" * 32
 

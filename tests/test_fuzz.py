@@ -23,7 +23,7 @@ from amqp_frontend import codec
 from amqp_frontend.connection import State
 from core.engine.broker import Broker
 from core.model import fieldtable, properties
-from tests import fuzzing
+from harness import fuzzing
 from tests.amqp_client import PROTOCOL_HEADER, Client, assemble, connected
 
 pytestmark = pytest.mark.filterwarnings("ignore:This command is deprecated:DeprecationWarning")

@@ -12,11 +12,11 @@ import pytest
 
 from core.engine.broker import Broker
 from core.grpc_api.servicer import decode_properties, encode_properties, make_filter
+from harness.brokers import local_broker
 from leveret.client import AsyncClient, Deduplicator, LeveretError, Message
 from leveret.node.grpc_server import GRPCServer
 from leveret_client.proto import leveret_pb2 as pb
 from leveret_client.proto import leveret_pb2_grpc as pb_grpc
-from tests.brokers import local_broker
 
 MD = (("username", "guest"), ("password", "guest"))
 WAIT = 5.0

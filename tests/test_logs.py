@@ -11,9 +11,9 @@ from collections.abc import Iterator
 import pytest
 from pamqp import commands
 
+from harness.fuzzing import fresh_broker
 from leveret.node.logs import JSONFormatter, RateLimit
 from tests.amqp_client import PROTOCOL_HEADER, Client
-from tests.fuzzing import fresh_broker
 
 
 class FakeClock:

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
+from harness import mqtt_client as mc
 from mqtt_frontend import codec, topics
-from tests import mqtt_client as mc
 
 
 @pytest.mark.parametrize("n", [0, 1, 127, 128, 16383, 16384, 2_097_151, 2_097_152, codec.MAX_REMAINING])

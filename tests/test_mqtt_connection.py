@@ -11,11 +11,11 @@ from core.engine import publish
 from core.engine.broker import Broker
 from core.model.clock import ManualScheduler
 from core.model.message import Message
+from harness import mqtt_client as mc
+from harness.brokers import local_broker
 from mqtt_frontend import codec
 from mqtt_frontend.connection import MqttConnection, MqttSettings
 from mqtt_frontend.sessions import Sessions
-from tests import mqtt_client as mc
-from tests.brokers import local_broker
 
 # Each connection its own peer address: refusals are logged once per address per 10 s.
 _ports = itertools.count(1)

@@ -10,10 +10,10 @@ import random
 
 import pytest
 
+from harness import mqtt_fuzzing
+from harness.brokers import local_broker
 from mqtt_frontend.connection import MqttConnection, MqttSettings
 from mqtt_frontend.sessions import Sessions
-from tests import mqtt_fuzzing
-from tests.brokers import local_broker
 
 CASES = 1500
 

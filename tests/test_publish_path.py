@@ -28,9 +28,9 @@ from core.engine.broker import Broker
 from core.engine.queue import Queue
 from core.model import properties
 from core.model.message import Message
+from harness.brokers import local_broker
 from persistence.sqlite import SQLiteStore
 from tests.amqp_client import connected
-from tests.brokers import local_broker
 
 PERSISTENT = properties.encode({"delivery_mode": 2})
 TRANSIENT = properties.encode({"delivery_mode": 1})

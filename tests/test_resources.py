@@ -8,8 +8,8 @@ import pytest
 
 from core.engine.alarms import DISK, MEMORY, Alarms
 from core.engine.paging import MESSAGE_BYTES
+from harness.brokers import local_broker
 from leveret.node.resources import memory_use, parse_disk_free_limit
-from tests.brokers import local_broker
 
 
 async def test_wait_clear_returns_once_every_alarm_is_cleared() -> None:

@@ -14,8 +14,8 @@ from pamqp import commands, frame
 from pamqp.base import Frame as Method
 
 from amqp_frontend import codec
+from harness.fuzzing import fresh_broker
 from tests.amqp_client import PROTOCOL_HEADER, Client, Received, connected, content_frames
-from tests.fuzzing import fresh_broker
 
 
 def _frame(channel: int, payload: bytes) -> bytes:

@@ -17,12 +17,13 @@ from collections.abc import Iterator
 from pamqp import commands, frame
 from pamqp.base import Frame as Method
 from pamqp.body import ContentBody
-from pamqp.common import FieldTable
+from pamqp.common import FieldTable, FieldValue
 from pamqp.header import ContentHeader
 
 from core.engine.broker import Broker
 from core.model import properties
 from core.model.errors import BrokerError
+from harness.brokers import local_broker
 
 FRAME_HEAD = struct.Struct(">BHI")
 PROTOCOL_HEADER = b"AMQP\x00\x00\x09\x01"
@@ -42,12 +43,7 @@ STAMP = datetime.datetime(2020, 1, 1, tzinfo=datetime.UTC)
 
 
 def fresh_broker() -> Broker:
-    """A broker as the front-end tests build it: with tests/brokers.py's local
-    coordinator where that module exists (the local-coordinator work), else plain."""
-    try:
-        from tests.brokers import local_broker  # type: ignore[import-not-found,unused-ignore]
-    except ImportError:
-        return Broker()
+    """A broker as the front-end tests build it, with the local coordinator."""
     broker: Broker = local_broker()
     return broker
 
@@ -249,8 +245,11 @@ def long_routing_key(rnd: random.Random, words: int = 128) -> str:
 
 def big_table(rnd: random.Random, entries: int = 200, depth: int = 0) -> FieldTable:
     """A table with many entries, or nested up to ``depth`` (within the 64-level limit)."""
-    table: FieldTable = {f"k{i}": rnd.choice((i, "v" * rnd.randint(0, 200), [i, "x"], None, True, 2.5))
-                                for i in range(entries)}
+    values: tuple[FieldValue, ...]
+    table: FieldTable = {}
+    for i in range(entries):
+        values = (i, "v" * rnd.randint(0, 200), [i, "x"], None, True, 2.5)
+        table[f"k{i}"] = rnd.choice(values)
     for _ in range(depth):
         table = {"n": table, "x-match": "any"}
     return table

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import random
 
+from harness import mqtt_client as mc
 from mqtt_frontend import codec
-from tests import mqtt_client as mc
 
 
 def sessions() -> list[list[bytes]]:
