@@ -17,6 +17,7 @@ from amqp_frontend.tls_accept import TLSListener, peer_identity
 from core.engine.alarms import MEMORY
 from core.engine.broker import Broker
 from core.model.ratelog import RateLimitedLog
+from core.model.tasks import run_then
 
 log = logging.getLogger("leveret.amqp")
 _refusals = RateLimitedLog(log)
@@ -117,15 +118,7 @@ class AMQPProtocol(asyncio.Protocol):
                 transport.pause_reading()
 
     def _run_async(self, op: Awaitable[Any], done: Callable[[Any, BaseException | None], None]) -> None:
-        async def run() -> None:
-            try:
-                result = await op
-            except Exception as exc:  # noqa: BLE001 - handed to the state machine
-                done(None, exc)
-                return
-            done(result, None)
-
-        self._loop.create_task(run())
+        run_then(op, done, self.server.tasks)
 
     def pause_for_flow(self) -> None:
         """Forwarded publishes pile up at a slow owner: stop reading from this publisher for now."""
@@ -273,6 +266,7 @@ class AMQPServer:
         self.broker = broker
         self.settings = settings or ServerSettings()
         self.connections: set[AMQPProtocol] = set()
+        self.tasks: set[asyncio.Task[Any]] = set()  # the connections' asynchronous steps, held until they end
         self._server: asyncio.base_events.Server | None = None
         self._tls: TLSListener | None = None
         self._ticker: asyncio.Task[None] | None = None

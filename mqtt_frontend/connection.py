@@ -515,7 +515,7 @@ class MqttConnection:
         self.write(codec.connack(self.level, session_present, codec.SUCCESS, props))
         log.info("MQTT connection opened", extra={"peer": self._peer_text(), "user": self.username,
                                                   "vhost": self.vhost.name if self.vhost else "",
-                                                  "client_id": self.client_id, "level": self.level})
+                                                  "client_id": self.client_id, "protocol_level": self.level})
         if self.session is not None and self.session.queue is not None:
             self._consume_session()
         retained = self.sessions.retained(self.vhost.name if self.vhost else "/")

@@ -11,6 +11,7 @@ from typing import Any
 
 from amqp_frontend.tls_accept import TLSListener, peer_identity
 from core.engine.broker import Broker
+from core.model.tasks import run_then
 from mqtt_frontend import codec
 from mqtt_frontend.connection import MqttConnection, MqttSettings, State
 from mqtt_frontend.sessions import Sessions
@@ -100,16 +101,11 @@ class Link:
                 self.schedule_flush()
 
     def _run_async(self, op: Awaitable[Any], done: Callable[[Any, BaseException | None], None]) -> None:
-        async def run() -> None:
-            try:
-                result = await op
-            except Exception as exc:  # noqa: BLE001 - handed to the state machine
-                done(None, exc)
-                return
-            done(result, None)
+        def then(result: Any, exc: BaseException | None) -> None:
+            done(result, exc)
             self.after_input()
 
-        self.server.spawn(run())
+        run_then(op, then, self.server.tasks)
 
     def lost(self) -> None:
         self.server.links.discard(self)
@@ -198,15 +194,10 @@ class MQTTServer:
         self._servers: list[asyncio.base_events.Server] = []
         self._tls: TLSListener | None = None
         self._ticker: asyncio.Task[None] | None = None
-        self._tasks: set[asyncio.Task[Any]] = set()
+        self.tasks: set[asyncio.Task[Any]] = set()  # the links' asynchronous steps, held until they end
         self.port = 0
         self.tls_port = 0
         broker.on_user_deleted.append(self._user_deleted)
-
-    def spawn(self, coro: Awaitable[Any]) -> None:
-        task = asyncio.ensure_future(coro)
-        self._tasks.add(task)  # the loop keeps only weak references
-        task.add_done_callback(self._tasks.discard)
 
     def _user_deleted(self, name: str) -> None:
         for link in list(self.links):

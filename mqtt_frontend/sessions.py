@@ -13,6 +13,7 @@ import asyncio
 import logging
 from typing import TYPE_CHECKING, Any
 
+from core.model.tasks import spawn
 from mqtt_frontend.retained import Retained
 
 if TYPE_CHECKING:
@@ -113,7 +114,7 @@ class Sessions:
 _tasks: set[asyncio.Task[Any]] = set()
 
 
-def _spawn(op: Awaitable[Any], r: Retained) -> asyncio.Task[None]:
+def _spawn(op: Awaitable[Any], r: Retained) -> asyncio.Task[Any]:
     async def run() -> None:
         try:
             await op
@@ -122,7 +123,4 @@ def _spawn(op: Awaitable[Any], r: Retained) -> asyncio.Task[None]:
         finally:
             r.opening = None
 
-    task = asyncio.get_running_loop().create_task(run())
-    _tasks.add(task)  # the loop keeps only weak references to tasks
-    task.add_done_callback(_tasks.discard)
-    return task
+    return spawn(run(), _tasks)

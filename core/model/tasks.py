@@ -8,8 +8,10 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import Coroutine
-from typing import Any
+from collections.abc import Awaitable, Callable, Coroutine
+from typing import Any, TypeVar
+
+T = TypeVar("T")
 
 
 def spawn(coro: Coroutine[Any, Any, Any], tasks: set[asyncio.Task[Any]]) -> asyncio.Task[Any]:
@@ -22,6 +24,25 @@ def spawn(coro: Coroutine[Any, Any, Any], tasks: set[asyncio.Task[Any]]) -> asyn
     tasks.add(task)
     task.add_done_callback(tasks.discard)
     return task
+
+
+def run_then(op: Awaitable[T], done: Callable[[T | None, BaseException | None], None],
+             tasks: set[asyncio.Task[Any]]) -> None:
+    """Await ``op`` in a task held in ``tasks``, then hand ``done`` its result or the exception it raised.
+
+    How a sans-IO state machine's asynchronous step (a durable declaration, a login) comes back to
+    it: the front ends' asyncio layers pass this, and the machine never awaits.
+    """
+
+    async def run() -> None:
+        try:
+            result = await op
+        except Exception as exc:  # noqa: BLE001 - handed to the state machine
+            done(None, exc)
+            return
+        done(result, None)
+
+    spawn(run(), tasks)
 
 
 async def stop_task(task: asyncio.Task[Any] | None) -> None:
