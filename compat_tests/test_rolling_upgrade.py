@@ -52,6 +52,22 @@ class VersionedNode(ClusterNode):
 
     source: Path = REPO_ROOT
 
+    def command(self) -> list[str]:
+        argv = super().command()
+        if self.source == REPO_ROOT:
+            return argv
+        # The previous release has no MQTT listener, so no --mqtt-* options: drop each with its value.
+        out: list[str] = []
+        skip = False
+        for arg in argv:
+            if skip:
+                skip = False
+            elif arg.startswith("--mqtt-"):
+                skip = True
+            else:
+                out.append(arg)
+        return out
+
     def spawn(self) -> None:
         self.paused = False
         self.cluster_port = free_port()

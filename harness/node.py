@@ -119,24 +119,27 @@ class NodeProcess:
             )
 
     def wait_ready(self, timeout: float = STARTUP_TIMEOUT) -> None:
-        """Until the AMQP port accepts connections; AssertionError with the log when the node exits or stalls."""
+        """Until the AMQP port (and the MQTT one, when it has one) accepts connections; AssertionError
+        with the log when the node exits or stalls. The node opens its listeners one after another, so
+        the AMQP port answering does not mean the MQTT one does yet."""
         assert self.proc is not None
         deadline = time.monotonic() + timeout
-        while True:
-            if self.proc.poll() is not None:
-                raise AssertionError(
-                    f"{self.name} exited with {self.proc.returncode} during start-up:\n{self.stderr_tail()}"
-                )
-            try:
-                socket.create_connection(("127.0.0.1", self.amqp_port), timeout=0.5).close()
-                return
-            except OSError:
-                pass
-            if time.monotonic() > deadline:
-                raise AssertionError(
-                    f"{self.name} did not listen on {self.amqp_port} within {timeout:.0f}s:\n{self.stderr_tail()}"
-                )
-            time.sleep(0.05)
+        for port in (self.amqp_port, self.mqtt_port if self.mqtt else 0):
+            while port:
+                if self.proc.poll() is not None:
+                    raise AssertionError(
+                        f"{self.name} exited with {self.proc.returncode} during start-up:\n{self.stderr_tail()}"
+                    )
+                try:
+                    socket.create_connection(("127.0.0.1", port), timeout=0.5).close()
+                    break
+                except OSError:
+                    pass
+                if time.monotonic() > deadline:
+                    raise AssertionError(
+                        f"{self.name} did not listen on {port} within {timeout:.0f}s:\n{self.stderr_tail()}"
+                    )
+                time.sleep(0.05)
 
     def start(self) -> None:
         self.spawn()
